@@ -1,0 +1,5 @@
+import sys
+
+from meshgate.cli import main
+
+sys.exit(main())

@@ -1,0 +1,238 @@
+"""The `meshgate` command (see INTERFACE.md "Commands")."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from meshgate import __version__, config, logs
+
+EXIT_OK, EXIT_CONFIG, EXIT_STARTUP = 0, 1, 2
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """CLI flags as a nested dict in config-file shape; they win over the file."""
+    o: dict[str, dict[str, Any]] = {}
+
+    def put(section: str, key: str, value: Any) -> None:
+        if value is not None:
+            o.setdefault(section, {})[key] = value
+
+    put("node", "name", args.name)
+    put("node", "network", args.network)
+    put("node", "secret", args.secret)
+    put("node", "ipv4", args.ipv4)
+    put("mesh", "listen", args.listen)
+    put("mesh", "peers", args.peer)
+    put("mesh", "proxy_cidrs", args.proxy_cidr)
+    if args.exit_node:
+        put("mesh", "exit_node", True)
+    if args.exit_nodes:
+        put("mesh", "exit_nodes", [s.strip() for s in args.exit_nodes.split(",") if s.strip()])
+    put("socks5", "listen", args.socks5)
+    put("admin", "listen", args.admin)
+    if args.doh:
+        o.setdefault("dns", {})["listener"] = [{"protocol": "doh", "listen": args.doh}]
+    out: dict[str, Any] = dict(o)
+    if args.log_level:
+        out["log_level"] = args.log_level
+    return out
+
+
+def _print_config_error(e: config.ConfigError) -> None:
+    for p in e.problems:
+        print(p.render(e.source), file=sys.stderr)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    status = EXIT_OK
+    for path in args.files:
+        try:
+            config.load(path)
+        except config.ConfigError as e:
+            _print_config_error(e)
+            status = EXIT_CONFIG
+        else:
+            print(f"{path}: ok")
+    return status
+
+
+def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    if kind == "uvloop":
+        try:
+            import uvloop
+
+            return uvloop.new_event_loop()
+        except ImportError:
+            pass
+    return asyncio.new_event_loop()
+
+
+async def _serve(cfg: config.Config) -> int:
+    from meshgate.node import Node, StartupError
+
+    node = Node(cfg)
+    try:
+        await node.start()
+    except StartupError as e:
+        print(f"meshgate: {e}", file=sys.stderr)
+        return EXIT_STARTUP
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    _print_banner(node)
+    await stop.wait()
+    await node.stop()
+    return EXIT_OK
+
+
+def _print_banner(node: Any) -> None:
+    cfg = node.config
+    lines = [f"meshgate {__version__}: node {cfg.node.name!r} on network {cfg.node.network!r}"]
+    for name, st in node.status()["services"].items():
+        listen = st.get("listen")
+        if listen:
+            lines.append(f"  {name}: {listen}")
+        for extra in st.get("notes", []):
+            lines.append(f"  {name}: {extra}")
+    print("\n".join(lines), flush=True)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config.load(args.config, _overrides(args))
+    except config.ConfigError as e:
+        _print_config_error(e)
+        return EXIT_CONFIG
+    logs.setup(cfg.log_level)
+    loop = _new_loop(args.loop)
+    try:
+        return loop.run_until_complete(_serve(cfg))
+    finally:
+        loop.close()
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    from meshgate.admin import fetch
+
+    path = {"status": "/status", "peers": "/peers", "routes": "/routes", "stats": "/metrics"}[
+        args.command
+    ]
+    try:
+        code, body = asyncio.run(fetch(args.admin, path))
+    except (OSError, TimeoutError) as e:
+        print(f"meshgate: cannot reach the admin API at {args.admin}: {e}", file=sys.stderr)
+        return EXIT_STARTUP
+    if code != 200:
+        print(f"meshgate: admin API at {args.admin} answered {code} for {path}", file=sys.stderr)
+        return EXIT_STARTUP
+    if args.command == "stats" or args.json:
+        sys.stdout.write(body.decode())
+        return EXIT_OK
+    data = json.loads(body)
+    print(_format_table(args.command, data))
+    return EXIT_OK
+
+
+def _format_table(kind: str, data: Any) -> str:
+    if kind == "status":
+        return "\n".join(f"{k:10} {v}" for k, v in data.items() if k != "services")
+    if not data:
+        return f"(no {kind})"
+    cols = list(data[0].keys())
+    rows = [[_cell(r.get(c)) for c in cols] for r in data]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, list):
+        return ",".join(str(x) for x in v) or "-"
+    if isinstance(v, dict):
+        return json.dumps(v)
+    return "-" if v is None else str(v)
+
+
+def cmd_dns(args: argparse.Namespace) -> int:
+    from meshgate.dns import client
+
+    return client.main(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from meshgate import demo
+
+    return demo.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshgate", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="start a node")
+    run.add_argument("-c", "--config", help="TOML config file (default: built-in defaults)")
+    run.add_argument("--name")
+    run.add_argument("--network")
+    run.add_argument("--secret")
+    run.add_argument("--ipv4")
+    run.add_argument("--listen", action="append", help="mesh listener URL (repeatable)")
+    run.add_argument("--peer", action="append", help="mesh peer URL (repeatable)")
+    run.add_argument("--socks5", metavar="ADDR")
+    run.add_argument("--doh", metavar="ADDR")
+    run.add_argument("--exit-node", action="store_true")
+    run.add_argument("--exit-nodes", metavar="IP,...")
+    run.add_argument("--proxy-cidr", action="append")
+    run.add_argument("--admin", metavar="ADDR")
+    run.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    run.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    run.set_defaults(func=cmd_run)
+
+    cc = sub.add_parser("check-config", help="validate config files")
+    cc.add_argument("files", nargs="+")
+    cc.set_defaults(func=cmd_check_config)
+
+    for name in ("status", "peers", "routes", "stats"):
+        a = sub.add_parser(name, help=f"ask a running node for its {name}")
+        a.add_argument("--admin", default="127.0.0.1:15888")
+        a.add_argument("--json", action="store_true")
+        a.set_defaults(func=cmd_admin)
+
+    dns = sub.add_parser("dns", help="DNS tools")
+    dsub = dns.add_subparsers(dest="dns_command", required=True)
+    q = dsub.add_parser("query", help="send one query")
+    q.add_argument("qname")
+    q.add_argument("qtype", nargs="?", default="A")
+    q.add_argument("--server", help="udp://, tcp://, tls://, https://, quic:// URL")
+    q.add_argument("--odoh", action="store_true")
+    q.add_argument("--proxy")
+    q.add_argument("--target")
+    q.add_argument("--insecure", "-k", action="store_true", help="do not verify TLS certificates")
+    q.add_argument("--cafile")
+    q.add_argument("--timeout", type=float, default=5.0)
+    q.set_defaults(func=cmd_dns)
+
+    demo = sub.add_parser("demo", help="start the demo mesh on this machine")
+    demo.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
+    demo.set_defaults(func=cmd_demo)
+
+    v = sub.add_parser("version")
+    v.set_defaults(func=lambda _a: print(f"meshgate {__version__}") or 0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rc: int = args.func(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,703 @@
+"""Configuration: TOML file -> frozen dataclasses, validated.
+
+Every problem is collected (not just the first) as a `ConfigProblem(key, message)`
+so `meshgate check-config` can print `FILE:KEY: problem` for each one. Keys are
+dotted paths (`socks5.listen`, `dns.listener[1].protocol`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPInterface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
+
+LINK_SCHEMES = ("tcp", "quic", "ring", "udp")
+DNS_PROTOCOLS = ("udp", "tcp", "dot", "doh", "doq", "odoh")
+ODOH_MODES = ("target", "proxy", "dual")
+DEFAULT_STATE_DIR = "~/.local/state/meshgate"
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    key: str
+    message: str
+
+    def render(self, source: str) -> str:
+        return f"{source}:{self.key}: {self.message}"
+
+
+class ConfigError(Exception):
+    """Raised with every problem found; `str()` lists them one per line."""
+
+    def __init__(self, problems: list[ConfigProblem], source: str = "<config>") -> None:
+        self.problems = problems
+        self.source = source
+        super().__init__("\n".join(p.render(source) for p in problems))
+
+
+@dataclass(frozen=True, order=True)
+class HostPort:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class LinkUrl:
+    """`tcp://host:port`, `quic://host:port`, `udp://host:port` or `ring://name`."""
+
+    scheme: str
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        if self.scheme == "ring":
+            return f"ring://{self.host}"
+        return f"{self.scheme}://{HostPort(self.host, self.port)}"
+
+
+@dataclass(frozen=True)
+class ProxyCidr:
+    """A subnet this node proxies; `mapped` is what peers address it as."""
+
+    real: IPNetwork
+    mapped: IPNetwork | None = None
+
+    @property
+    def advertised(self) -> IPNetwork:
+        return self.mapped if self.mapped is not None else self.real
+
+    def __str__(self) -> str:
+        return f"{self.real}->{self.mapped}" if self.mapped else str(self.real)
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    password: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    name: str = "meshgate"
+    network: str = "default"
+    secret: str = field(default="", repr=False)
+    ipv4: ipaddress.IPv4Interface | None = None
+    ipv6: ipaddress.IPv6Interface | None = None
+    state_dir: str = DEFAULT_STATE_DIR
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    listen: tuple[LinkUrl, ...] = ()
+    peers: tuple[LinkUrl, ...] = ()
+    policy: str = "least-hop"
+    proxy_cidrs: tuple[ProxyCidr, ...] = ()
+    exit_node: bool = False
+    exit_nodes: tuple[str, ...] = ()
+    direct_fallback: bool = True
+
+
+@dataclass(frozen=True)
+class ExitConfig:
+    allow: tuple[IPNetwork, ...] = (
+        ipaddress.ip_network("0.0.0.0/0"),
+        ipaddress.ip_network("::/0"),
+    )
+    deny: tuple[IPNetwork, ...] = ()
+    allow_private: bool = False
+
+
+@dataclass(frozen=True)
+class Socks5Config:
+    enable: bool = True
+    listen: HostPort = HostPort("127.0.0.1", 1080)
+    users: tuple[User, ...] = ()
+    udp: bool = True
+    max_clients: int = 1024
+
+
+@dataclass(frozen=True)
+class DnsListenerConfig:
+    protocol: str
+    listen: HostPort
+    cert: str | None = None
+    key: str | None = None
+    path: str = "/dns-query"
+    mode: str = "target"
+    key_seed: str | None = field(default=None, repr=False)
+    allow_doh: bool = False
+    key_rotation: float = 86400.0
+    targets: tuple[str, ...] = ()
+    allow_ip_targets: bool = False
+
+
+@dataclass(frozen=True)
+class DnsConfig:
+    zone: str = "mesh.internal."
+    upstreams: tuple[str, ...] = ()
+    cache_size: int = 10000
+    records: tuple[tuple[str, str], ...] = ()
+    listeners: tuple[DnsListenerConfig, ...] = ()
+
+
+@dataclass(frozen=True)
+class TunConfig:
+    enable: bool = False
+    name: str = "meshgate0"
+    mtu: int = 1380
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    enable: bool = True
+    listen: HostPort = HostPort("127.0.0.1", 15888)
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Every bound in one place. Seconds for timeouts, bytes for sizes."""
+
+    socks5_handshake_timeout: float = 10.0
+    socks5_connect_timeout: float = 10.0
+    socks5_idle_timeout: float = 300.0
+    socks5_udp_idle_timeout: float = 60.0
+    socks5_udp_max_targets: int = 256
+    socks5_write_high_water: int = 1 << 20
+    stream_window: int = 262144
+    max_streams_per_peer: int = 4096
+    max_peers: int = 256
+    max_pending_handshakes: int = 64
+    handshake_timeout: float = 5.0
+    link_queue: int = 4096
+    route_records: int = 4096
+    dns_cache_size: int = 10000
+    dns_timeout: float = 3.0
+    dns_max_inflight: int = 4096
+    dns_tcp_idle_timeout: float = 10.0
+    doh_max_streams: int = 100
+    doq_max_streams: int = 64
+    doq_stream_timeout: float = 5.0
+    buffer_pool_size: int = 1024
+    admin_max_clients: int = 64
+
+
+@dataclass(frozen=True)
+class Config:
+    node: NodeConfig = NodeConfig()
+    mesh: MeshConfig = MeshConfig()
+    exit: ExitConfig = ExitConfig()
+    socks5: Socks5Config = Socks5Config()
+    dns: DnsConfig = DnsConfig()
+    tun: TunConfig = TunConfig()
+    admin: AdminConfig = AdminConfig()
+    limits: LimitsConfig = LimitsConfig()
+    log_level: str = "info"
+
+    @property
+    def state_path(self) -> Path:
+        return Path(os.path.expanduser(self.node.state_dir))
+
+
+# --------------------------------------------------------------------------- parsers
+# Each parser takes the raw TOML value and returns the typed value or raises
+# ValueError with a message for the user (never echoing secrets).
+
+T = TypeVar("T")
+
+
+def parse_host_port(value: object, default_port: int | None = None) -> HostPort:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string like \"127.0.0.1:1080\", got {type(value).__name__}")
+    text = value.strip()
+    host: str
+    port_text: str | None
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise ValueError(f"unclosed '[' in address {value!r}")
+        host = text[1:end]
+        rest = text[end + 1 :]
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"expected ':PORT' after ']' in {value!r}")
+        port_text = rest[1:] if rest else None
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    elif text.count(":") > 1:
+        host, port_text = text, None  # bare IPv6 literal
+    else:
+        host, port_text = text, None
+    if port_text is None:
+        if default_port is None:
+            raise ValueError(f"address {value!r} has no port")
+        port = default_port
+    else:
+        if not port_text.isdigit():
+            raise ValueError(f"port {port_text!r} in {value!r} is not a number")
+        port = int(port_text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} in {value!r} is out of range 0-65535")
+    if not host:
+        raise ValueError(f"address {value!r} has no host")
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} is not a valid IPv6 address") from None
+    return HostPort(host, port)
+
+
+def parse_link_url(value: object) -> LinkUrl:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a URL string like \"tcp://host:11010\", got {type(value).__name__}")
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        raise ValueError(f"{value!r} is not a URL; expected scheme://host:port")
+    if scheme not in LINK_SCHEMES:
+        raise ValueError(f"unknown link scheme {scheme!r}; expected one of {', '.join(LINK_SCHEMES)}")
+    if scheme == "ring":
+        if not rest:
+            raise ValueError("ring:// needs a name")
+        return LinkUrl("ring", rest, 0)
+    hp = parse_host_port(rest, default_port=11010)
+    return LinkUrl(scheme, hp.host, hp.port)
+
+
+def parse_network(value: object) -> IPNetwork:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a CIDR string, got {type(value).__name__}")
+    try:
+        return ipaddress.ip_network(value.strip(), strict=True)
+    except ValueError as e:
+        raise ValueError(f"{value!r} is not a valid CIDR ({e})") from None
+
+
+def parse_proxy_cidr(value: object) -> ProxyCidr:
+    if not isinstance(value, str):
+        raise ValueError(f"expected \"CIDR\" or \"REAL->MAPPED\", got {type(value).__name__}")
+    if "->" in value:
+        real_text, mapped_text = value.split("->", 1)
+        real, mapped = parse_network(real_text), parse_network(mapped_text)
+        if real.version != mapped.version or real.prefixlen != mapped.prefixlen:
+            raise ValueError(
+                f"{value!r}: mapped CIDR must have the same IP version and prefix length as the real one"
+            )
+        return ProxyCidr(real, mapped)
+    return ProxyCidr(parse_network(value))
+
+
+def _parse_bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _parse_str(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _parse_nonempty_str(value: object) -> str:
+    s = _parse_str(value)
+    if not s.strip():
+        raise ValueError("must not be empty")
+    return s
+
+
+def _positive_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected a whole number, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"must be positive, got {value}")
+    return value
+
+
+def _positive_float(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"expected a number, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"must be positive, got {value}")
+    return float(value)
+
+
+def _choice(*choices: str) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        s = _parse_str(value)
+        if s not in choices:
+            raise ValueError(f"{s!r} is not one of {', '.join(choices)}")
+        return s
+
+    return parse
+
+
+def _ipv4_iface(value: object) -> ipaddress.IPv4Interface:
+    s = _parse_str(value)
+    try:
+        iface = ipaddress.IPv4Interface(s)
+    except ValueError:
+        raise ValueError(f"{s!r} is not an IPv4 address with prefix, like 10.144.144.1/24") from None
+    return iface
+
+
+def _ipv6_iface(value: object) -> ipaddress.IPv6Interface:
+    s = _parse_str(value)
+    try:
+        return ipaddress.IPv6Interface(s)
+    except ValueError:
+        raise ValueError(f"{s!r} is not an IPv6 address with prefix, like fd00:144::1/64") from None
+
+
+def _exit_node_ref(value: object) -> str:
+    s = _parse_str(value)
+    if s == "auto":
+        return s
+    try:
+        return str(ipaddress.ip_address(s))
+    except ValueError:
+        raise ValueError(f"{s!r} is neither \"auto\" nor a virtual IP address") from None
+
+
+def _upstream(value: object) -> str:
+    s = _parse_str(value)
+    scheme, sep, _ = s.partition("://")
+    if not sep or scheme not in ("udp", "tcp", "tls", "https", "quic", "odoh"):
+        raise ValueError(f"{s!r}: expected udp://, tcp://, tls://, https://, quic:// or odoh:// URL")
+    return s
+
+
+# --------------------------------------------------------------------------- the walker
+
+
+class _Reader:
+    """Reads one table, recording problems under dotted keys."""
+
+    def __init__(self, problems: list[ConfigProblem]) -> None:
+        self.problems = problems
+
+    def problem(self, key: str, message: str) -> None:
+        self.problems.append(ConfigProblem(key, message))
+
+    def table(self, raw: Mapping[str, Any], prefix: str, known: list[str]) -> None:
+        for k in raw:
+            if k not in known:
+                hint = difflib.get_close_matches(k, known, n=1)
+                suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+                self.problem(f"{prefix}{k}", f"unknown key{suggestion}")
+
+    def value(
+        self, raw: Mapping[str, Any], prefix: str, key: str, parse: Callable[[object], T], default: T
+    ) -> T:
+        if key not in raw:
+            return default
+        try:
+            return parse(raw[key])
+        except ValueError as e:
+            self.problem(f"{prefix}{key}", str(e))
+            return default
+
+    def items(
+        self, raw: Mapping[str, Any], prefix: str, key: str, parse: Callable[[object], T]
+    ) -> tuple[T, ...] | None:
+        if key not in raw:
+            return None
+        value = raw[key]
+        if not isinstance(value, list):
+            self.problem(f"{prefix}{key}", f"expected a list, got {type(value).__name__}")
+            return None
+        out: list[T] = []
+        for i, item in enumerate(value):
+            try:
+                out.append(parse(item))
+            except ValueError as e:
+                self.problem(f"{prefix}{key}[{i}]", str(e))
+        return tuple(out)
+
+    def dataclass_fields(self, raw: Mapping[str, Any], prefix: str, default: Any) -> Any:
+        """Scalar sections (limits, tun): type taken from the default value."""
+        known = [f.name for f in fields(default)]
+        self.table(raw, prefix, known)
+        changes: dict[str, Any] = {}
+        for f in fields(default):
+            if f.name not in raw:
+                continue
+            current = getattr(default, f.name)
+            parser: Callable[[object], Any]
+            if isinstance(current, bool):
+                parser = _parse_bool
+            elif isinstance(current, int):
+                parser = _positive_int
+            elif isinstance(current, float):
+                parser = _positive_float
+            else:
+                parser = _parse_nonempty_str
+            changes[f.name] = self.value(raw, prefix, f.name, parser, current)
+        return replace(default, **changes)
+
+
+def _section(r: _Reader, raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = raw.get(name, {})
+    if not isinstance(value, dict):
+        r.problem(name, f"expected a table [{name}], got {type(value).__name__}")
+        return {}
+    return value
+
+
+def _read_users(value: object) -> User:
+    if not isinstance(value, dict):
+        raise ValueError("expected { name = \"...\", password = \"...\" }")
+    extra = set(value) - {"name", "password"}
+    if extra:
+        raise ValueError(f"unknown field(s) {', '.join(sorted(extra))}; expected name and password")
+    name, password = value.get("name"), value.get("password")
+    if not isinstance(name, str) or not 1 <= len(name.encode()) <= 255:
+        raise ValueError("name must be a string of 1-255 bytes (RFC 1929)")
+    if not isinstance(password, str) or not 1 <= len(password.encode()) <= 255:
+        raise ValueError(f"password for user {name!r} must be a string of 1-255 bytes (RFC 1929)")
+    return User(name, password)
+
+
+_LISTENER_KEYS = [
+    "protocol", "listen", "cert", "key", "path", "mode", "key_seed", "allow_doh",
+    "key_rotation", "targets", "allow_ip_targets",
+]
+_DEFAULT_DNS_PORTS = {"udp": 53, "tcp": 53, "dot": 853, "doh": 443, "doq": 853, "odoh": 443}
+
+
+def _read_listener(r: _Reader, raw: object, prefix: str) -> DnsListenerConfig | None:
+    if not isinstance(raw, dict):
+        r.problem(prefix.rstrip("."), "expected a table [[dns.listener]]")
+        return None
+    r.table(raw, prefix, _LISTENER_KEYS)
+    if "protocol" not in raw:
+        r.problem(f"{prefix}protocol", f"required; one of {', '.join(DNS_PROTOCOLS)}")
+        return None
+    protocol = r.value(raw, prefix, "protocol", _choice(*DNS_PROTOCOLS), "")
+    if not protocol:
+        return None
+    default_port = _DEFAULT_DNS_PORTS[protocol]
+    listen = r.value(
+        raw, prefix, "listen", lambda v: parse_host_port(v, default_port), HostPort("127.0.0.1", default_port)
+    )
+    cert = r.value(raw, prefix, "cert", _parse_nonempty_str, None)
+    key = r.value(raw, prefix, "key", _parse_nonempty_str, None)
+    if (cert is None) != (key is None):
+        missing = "key" if key is None else "cert"
+        r.problem(f"{prefix}{missing}", "cert and key go together; set both or neither")
+    path = r.value(raw, prefix, "path", _parse_str, "/dns-query")
+    if not path.startswith("/"):
+        r.problem(f"{prefix}path", f"{path!r} must start with '/'")
+    key_seed = r.value(raw, prefix, "key_seed", _parse_str, None)
+    if key_seed is not None:
+        try:
+            if len(bytes.fromhex(key_seed)) < 16:
+                r.problem(f"{prefix}key_seed", "must be at least 16 bytes (32 hex digits)")
+        except ValueError:
+            r.problem(f"{prefix}key_seed", "must be hex digits")
+    return DnsListenerConfig(
+        protocol=protocol,
+        listen=listen,
+        cert=cert,
+        key=key,
+        path=path,
+        mode=r.value(raw, prefix, "mode", _choice(*ODOH_MODES), "target"),
+        key_seed=key_seed,
+        allow_doh=r.value(raw, prefix, "allow_doh", _parse_bool, False),
+        key_rotation=r.value(raw, prefix, "key_rotation", _positive_float, 86400.0),
+        targets=r.items(raw, prefix, "targets", _parse_nonempty_str) or (),
+        allow_ip_targets=r.value(raw, prefix, "allow_ip_targets", _parse_bool, False),
+    )
+
+
+def _normalize_zone(zone: str) -> str:
+    return zone.lower().rstrip(".") + "."
+
+
+def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
+    """Build a Config from parsed TOML; raises ConfigError listing every problem."""
+    base = base or Config()
+    problems: list[ConfigProblem] = []
+    r = _Reader(problems)
+    r.table(raw, "", ["node", "mesh", "exit", "socks5", "dns", "tun", "admin", "limits", "log_level"])
+
+    n = _section(r, raw, "node")
+    r.table(n, "node.", ["name", "network", "secret", "secret_file", "ipv4", "ipv6", "state_dir"])
+    secret = r.value(n, "node.", "secret", _parse_str, base.node.secret)
+    if "secret_file" in n:
+        path = r.value(n, "node.", "secret_file", _parse_nonempty_str, "")
+        if path:
+            try:
+                secret = Path(os.path.expanduser(path)).read_text().strip()
+            except OSError as e:
+                r.problem("node.secret_file", f"cannot read {path!r}: {e.strerror}")
+    node = NodeConfig(
+        name=r.value(n, "node.", "name", _parse_nonempty_str, base.node.name),
+        network=r.value(n, "node.", "network", _parse_nonempty_str, base.node.network),
+        secret=secret,
+        ipv4=r.value(n, "node.", "ipv4", _ipv4_iface, base.node.ipv4),
+        ipv6=r.value(n, "node.", "ipv6", _ipv6_iface, base.node.ipv6),
+        state_dir=r.value(n, "node.", "state_dir", _parse_nonempty_str, base.node.state_dir),
+    )
+    if any(c in node.name for c in ". /") or len(node.name) > 63:
+        r.problem("node.name", f"{node.name!r} must be a DNS label: no dots, spaces or slashes, ≤ 63 chars")
+
+    m = _section(r, raw, "mesh")
+    r.table(m, "mesh.", [f.name for f in fields(MeshConfig)])
+    mesh = MeshConfig(
+        listen=r.items(m, "mesh.", "listen", parse_link_url) or base.mesh.listen,
+        peers=r.items(m, "mesh.", "peers", parse_link_url) or base.mesh.peers,
+        policy=r.value(m, "mesh.", "policy", _choice("least-hop", "least-latency"), base.mesh.policy),
+        proxy_cidrs=r.items(m, "mesh.", "proxy_cidrs", parse_proxy_cidr) or base.mesh.proxy_cidrs,
+        exit_node=r.value(m, "mesh.", "exit_node", _parse_bool, base.mesh.exit_node),
+        exit_nodes=r.items(m, "mesh.", "exit_nodes", _exit_node_ref) or base.mesh.exit_nodes,
+        direct_fallback=r.value(m, "mesh.", "direct_fallback", _parse_bool, base.mesh.direct_fallback),
+    )
+    if (mesh.listen or mesh.peers) and not node.secret:
+        r.problem("node.secret", "a network secret is required when mesh.listen or mesh.peers is set")
+    if node.secret and len(node.secret) < 8 and (mesh.listen or mesh.peers):
+        r.problem("node.secret", "too short; use at least 8 characters")
+
+    x = _section(r, raw, "exit")
+    r.table(x, "exit.", ["allow", "deny", "allow_private"])
+    exit_cfg = ExitConfig(
+        allow=r.items(x, "exit.", "allow", parse_network) or base.exit.allow,
+        deny=r.items(x, "exit.", "deny", parse_network) or base.exit.deny,
+        allow_private=r.value(x, "exit.", "allow_private", _parse_bool, base.exit.allow_private),
+    )
+
+    s = _section(r, raw, "socks5")
+    r.table(s, "socks5.", ["enable", "listen", "users", "udp", "max_clients"])
+    users = r.items(s, "socks5.", "users", _read_users)
+    socks5 = Socks5Config(
+        enable=r.value(s, "socks5.", "enable", _parse_bool, base.socks5.enable),
+        listen=r.value(s, "socks5.", "listen", lambda v: parse_host_port(v, 1080), base.socks5.listen),
+        users=users if users is not None else base.socks5.users,
+        udp=r.value(s, "socks5.", "udp", _parse_bool, base.socks5.udp),
+        max_clients=r.value(s, "socks5.", "max_clients", _positive_int, base.socks5.max_clients),
+    )
+
+    d = _section(r, raw, "dns")
+    r.table(d, "dns.", ["zone", "upstreams", "cache_size", "records", "listener"])
+    records_raw = d.get("records", {})
+    records: list[tuple[str, str]] = []
+    if not isinstance(records_raw, dict):
+        r.problem("dns.records", "expected a table of name = \"address\"")
+    else:
+        for rname, addr in records_raw.items():
+            try:
+                records.append((_normalize_zone(rname), str(ipaddress.ip_address(addr))))
+            except (ValueError, TypeError):
+                r.problem(f"dns.records.{rname}", f"{addr!r} is not an IP address")
+    listeners: list[DnsListenerConfig] = []
+    if "listener" in d:
+        raw_listeners = d["listener"]
+        if not isinstance(raw_listeners, list):
+            r.problem("dns.listener", "expected [[dns.listener]] tables")
+        else:
+            for i, item in enumerate(raw_listeners):
+                lst = _read_listener(r, item, f"dns.listener[{i}].")
+                if lst is not None:
+                    listeners.append(lst)
+    dns = DnsConfig(
+        zone=_normalize_zone(r.value(d, "dns.", "zone", _parse_nonempty_str, base.dns.zone)),
+        upstreams=r.items(d, "dns.", "upstreams", _upstream) or base.dns.upstreams,
+        cache_size=r.value(d, "dns.", "cache_size", _positive_int, base.dns.cache_size),
+        records=tuple(records) or base.dns.records,
+        listeners=tuple(listeners) if "listener" in d else base.dns.listeners,
+    )
+
+    tun = r.dataclass_fields(_section(r, raw, "tun"), "tun.", base.tun)
+    if not 576 <= tun.mtu <= 65535:
+        r.problem("tun.mtu", f"{tun.mtu} is outside 576-65535")
+    a = _section(r, raw, "admin")
+    r.table(a, "admin.", ["enable", "listen"])
+    admin = AdminConfig(
+        enable=r.value(a, "admin.", "enable", _parse_bool, base.admin.enable),
+        listen=r.value(a, "admin.", "listen", lambda v: parse_host_port(v, 15888), base.admin.listen),
+    )
+    limits = r.dataclass_fields(_section(r, raw, "limits"), "limits.", base.limits)
+    log_level = r.value(
+        raw, "", "log_level", _choice("debug", "info", "warning", "error"), base.log_level
+    )
+
+    _check_ports(r, socks5, dns, admin)
+    if problems:
+        raise ConfigError(problems)
+    return Config(node, mesh, exit_cfg, socks5, dns, tun, admin, limits, log_level)
+
+
+def _check_ports(r: _Reader, socks5: Socks5Config, dns: DnsConfig, admin: AdminConfig) -> None:
+    """Two TCP listeners (or two UDP ones) on one address can never both start."""
+    seen: dict[tuple[str, HostPort], str] = {}
+
+    def claim(kind: str, hp: HostPort, key: str) -> None:
+        if hp.port == 0:
+            return
+        prev = seen.get((kind, hp))
+        if prev is not None:
+            r.problem(key, f"{hp} ({kind}) is already used by {prev}")
+        else:
+            seen[(kind, hp)] = key
+
+    if socks5.enable:
+        claim("tcp", socks5.listen, "socks5.listen")
+    if admin.enable:
+        claim("tcp", admin.listen, "admin.listen")
+    for i, lst in enumerate(dns.listeners):
+        kind = "udp" if lst.protocol in ("udp", "doq") else "tcp"
+        claim(kind, lst.listen, f"dns.listener[{i}].listen")
+
+
+def default_listeners() -> tuple[DnsListenerConfig, ...]:
+    """What `meshgate run` serves with no file: DoH on 8443, plain DNS on 5353."""
+    return (
+        DnsListenerConfig("doh", HostPort("127.0.0.1", 8443)),
+        DnsListenerConfig("udp", HostPort("127.0.0.1", 5353)),
+        DnsListenerConfig("tcp", HostPort("127.0.0.1", 5353)),
+    )
+
+
+def default_config() -> Config:
+    return Config(dns=DnsConfig(listeners=default_listeners()))
+
+
+def load(path: str | os.PathLike[str] | None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Load FILE (or the built-in defaults) and apply CLI overrides (a nested dict)."""
+    source = str(path) if path is not None else "<defaults>"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError([ConfigProblem("-", f"cannot read: {e.strerror}")], source) from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError([ConfigProblem("-", f"not valid TOML: {e}")], source) from None
+    merged = _merge(raw, overrides or {})
+    # Only the zero-config start serves DNS by default; a file that names no
+    # [[dns.listener]] gets none.
+    base = default_config() if path is None else Config()
+    try:
+        return from_dict(merged, base)
+    except ConfigError as e:
+        raise ConfigError(e.problems, source) from None
+
+
+def _merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out

@@ -1,0 +1,81 @@
+"""Shared test helpers: tool requirements, condition waits, loopback servers.
+
+One place for these so every suite uses the same rules: a missing external
+tool skips locally but fails under MESHGATE_REQUIRE_E2E=1 (CI), and waits
+poll a condition against a deadline instead of sleeping a fixed time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+REQUIRE_E2E = os.environ.get("MESHGATE_REQUIRE_E2E") == "1"
+
+
+def require_tool(name: str) -> str:
+    """Path of an external tool; skip (or fail under MESHGATE_REQUIRE_E2E=1) if missing."""
+    path = shutil.which(name)
+    if path is None:
+        msg = f"{name} is not installed (make test installs it when run as root)"
+        if REQUIRE_E2E:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        if REQUIRE_E2E:
+            pytest.fail("this test needs root (network namespaces)")
+        pytest.skip("needs root (network namespaces)")
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+async def async_wait_until(
+    cond: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "condition"
+) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    delay = 0.001
+    while True:
+        r = cond()
+        if not isinstance(r, bool):
+            r = await r
+        if r:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def free_port(kind: int = socket.SOCK_STREAM, host: str = "127.0.0.1") -> int:
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, kind) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
