@@ -47,7 +47,7 @@ _DROP_SIZE: Counter = _dropped.labels("wrong_size")
 class Buffer:
     """`data[headroom:headroom+length]` is the payload; `data[:headroom]` is for headers."""
 
-    __slots__ = ("data", "headroom", "length", "pool", "start")
+    __slots__ = ("data", "free", "headroom", "length", "pool", "start")
 
     def __init__(self, capacity: int, headroom: int, pool: BufferPool | None = None) -> None:
         self.data = bytearray(capacity + headroom)
@@ -55,6 +55,7 @@ class Buffer:
         self.start = headroom  # moves left when a header is prepended
         self.length = 0
         self.pool = pool
+        self.free = False  # True while sitting in the pool's free-list
 
     @property
     def capacity(self) -> int:
@@ -127,6 +128,7 @@ class BufferPool:
     def get(self) -> Buffer:
         if self._free:
             buf = self._free.pop()
+            buf.free = False
             buf.start = buf.headroom
             buf.length = 0
             _reused.inc()
@@ -135,8 +137,8 @@ class BufferPool:
         return Buffer(self.buffer_capacity, self.headroom, self)
 
     def put(self, buf: Buffer) -> None:
-        if buf.pool is not self:
-            return  # dropped, or from another pool: never reuse
+        if buf.pool is not self or buf.free:
+            return  # dropped, from another pool, or already free: never hand out twice
         buf.pool = None  # a second put() of the same buffer is now a no-op
         if len(buf.data) != self.buffer_capacity + self.headroom:
             _DROP_SIZE.inc()
@@ -148,6 +150,7 @@ class BufferPool:
             _DROP_FULL.inc()
             return
         buf.pool = self
+        buf.free = True
         self._free.append(buf)
 
 

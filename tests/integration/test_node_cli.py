@@ -1,0 +1,99 @@
+"""`meshgate run` as a separate process: admin API, exit codes, clean stop."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import free_port, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start(tmp_path: Path, text: str) -> subprocess.Popen[str]:
+    cfg = tmp_path / "node.toml"
+    cfg.write_text(text)
+    return subprocess.Popen(
+        [sys.executable, "-m", "meshgate", "run", "-c", str(cfg)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def get(url: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.status, r.read()
+
+
+def admin_up(port: int) -> bool:
+    try:
+        return get(f"http://127.0.0.1:{port}/status")[0] == 200
+    except OSError:
+        return False
+
+
+def test_admin_api_and_clean_stop(tmp_path: Path) -> None:
+    port = free_port()
+    proc = start(tmp_path, f'[node]\nname = "alpha"\n[socks5]\nenable = false\n'
+                           f'[admin]\nlisten = "127.0.0.1:{port}"\n')
+    try:
+        wait_until(lambda: admin_up(port) or proc.poll() is not None, 30, "admin API")
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        status = json.loads(get(f"http://127.0.0.1:{port}/status")[1])
+        assert status["name"] == "alpha" and "uptime" in status and status["version"]
+        code, metrics = get(f"http://127.0.0.1:{port}/metrics")
+        assert code == 200 and b"# TYPE meshgate_admin_requests_total counter" in metrics
+        assert json.loads(get(f"http://127.0.0.1:{port}/peers")[1]) == []
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            get(f"http://127.0.0.1:{port}/nope")
+        assert ei.value.code == 404
+        # The CLI reads the same API.
+        out = subprocess.run(
+            [sys.executable, "-m", "meshgate", "status", "--admin", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=30, cwd=ROOT,
+        )
+        assert out.returncode == 0 and "alpha" in out.stdout
+        stats = subprocess.run(
+            [sys.executable, "-m", "meshgate", "stats", "--admin", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=30, cwd=ROOT,
+        )
+        assert "meshgate_admin_requests_total" in stats.stdout
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    # listeners are closed after exit
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_port_in_use_exits_2_naming_the_address(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = start(tmp_path, f'[socks5]\nenable = false\n[admin]\nlisten = "127.0.0.1:{port}"\n')
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert f"admin.listen: cannot listen on 127.0.0.1:{port}" in err
+    assert "Traceback" not in err
+
+
+def test_config_error_exits_1(tmp_path: Path) -> None:
+    proc = start(tmp_path, '[socks5]\nlisten = "127.0.0.1:http"\n')
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "node.toml:socks5.listen:" in err and "Traceback" not in err
+
+
+def test_sigint_is_clean_too(tmp_path: Path) -> None:
+    port = free_port()
+    proc = start(tmp_path, f'[socks5]\nenable = false\n[admin]\nlisten = "127.0.0.1:{port}"\n')
+    wait_until(lambda: admin_up(port) or proc.poll() is not None, 30, "admin API")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
