@@ -124,7 +124,7 @@ async def _stalled_connection() -> tuple[asyncio.Transport, _Sink, socket.socket
 
 async def test_partial_write_parks_buffer_until_drained() -> None:
     pool = BufferPool(capacity=PAYLOAD, headroom=2)
-    transport, sink, peer = await _stalled_connection()
+    transport, _sink, peer = await _stalled_connection()
     buf = pool.get()
     buf.write(b"\xab" * (PAYLOAD))
     transport.write(buf.view())  # the kernel takes a little; asyncio keeps the rest
