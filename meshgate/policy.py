@@ -1,0 +1,54 @@
+"""Egress policy for exits and proxy-CIDR owners (config `[exit]`).
+
+Pure logic: an address in, allowed or a reason out. Applied after name
+resolution on the node where traffic leaves the mesh, so a name that
+resolves to a private address is refused like the address itself (no
+DNS-rebinding bypass).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+
+from meshgate.config import ExitConfig, IPNetwork, ProxyCidr
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# Loopback, link-local, private and other special-purpose ranges (RFC 6890
+# and friends) that an exit must not reach on a user's behalf by default.
+BUILTIN_DENY: tuple[IPNetwork, ...] = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
+        "172.16.0.0/12", "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15",
+        "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4",
+        "::/128", "::1/128", "64:ff9b:1::/48", "100::/64", "2001:db8::/32", "fc00::/7",
+        "fe80::/10", "fec0::/10", "ff00::/8",
+    )
+)
+
+
+class EgressPolicy:
+    def __init__(self, cfg: ExitConfig, own_cidrs: Iterable[ProxyCidr] = ()) -> None:
+        self.allow = cfg.allow
+        self.deny = cfg.deny
+        self.allow_private = cfg.allow_private
+        # The real side of our own proxy CIDRs: reaching them is the point.
+        self.own = tuple(c.real for c in own_cidrs)
+
+    def check(self, addr: IPAddress) -> str | None:
+        """None if `addr` may be reached; otherwise the reason it may not."""
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped  # judge ::ffff:a.b.c.d as a.b.c.d
+        if any(addr in n for n in self.deny if n.version == addr.version):
+            return f"{addr} is in exit.deny"
+        if any(addr in n for n in self.own if n.version == addr.version):
+            return None
+        if not self.allow_private and any(
+            addr in n for n in BUILTIN_DENY if n.version == addr.version
+        ):
+            return f"{addr} is a loopback/private/special address (set exit.allow_private to permit)"
+        if not any(addr in n for n in self.allow if n.version == addr.version):
+            return f"{addr} is not in exit.allow"
+        return None
