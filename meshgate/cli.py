@@ -8,6 +8,7 @@ import json
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from meshgate import __version__, config, logs
@@ -36,12 +37,31 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         put("mesh", "exit_nodes", [s.strip() for s in args.exit_nodes.split(",") if s.strip()])
     put("socks5", "listen", args.socks5)
     put("admin", "listen", args.admin)
-    if args.doh:
-        o.setdefault("dns", {})["listener"] = [{"protocol": "doh", "listen": args.doh}]
     out: dict[str, Any] = dict(o)
     if args.log_level:
         out["log_level"] = args.log_level
     return out
+
+
+def _listener_overrides(cfg: config.Config, args: argparse.Namespace) -> config.Config:
+    """`--doh/--doq/--dns ADDR` move the listener of that protocol (or add one).
+
+    Applied after loading so a file's other listeners stay as written; the
+    demo uses this to run one config both in containers and on loopback.
+    """
+    wanted = {"doh": args.doh, "doq": args.doq, "udp": args.dns, "tcp": args.dns}
+    listeners = list(cfg.dns.listeners)
+    for protocol, addr in wanted.items():
+        if addr is None:
+            continue
+        hp = config.parse_host_port(addr, 53)
+        idx = [i for i, lst in enumerate(listeners) if lst.protocol == protocol]
+        if idx:
+            for i in idx:
+                listeners[i] = replace(listeners[i], listen=hp)
+        else:
+            listeners.append(config.DnsListenerConfig(protocol, hp))
+    return replace(cfg, dns=replace(cfg.dns, listeners=tuple(listeners)))
 
 
 def _print_config_error(e: config.ConfigError) -> None:
@@ -106,9 +126,12 @@ def _print_banner(node: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     try:
-        cfg = config.load(args.config, _overrides(args))
+        cfg = _listener_overrides(config.load(args.config, _overrides(args)), args)
     except config.ConfigError as e:
         _print_config_error(e)
+        return EXIT_CONFIG
+    except ValueError as e:
+        print(f"meshgate: --doh/--doq/--dns: {e}", file=sys.stderr)
         return EXIT_CONFIG
     logs.setup(cfg.log_level)
     loop = _new_loop(args.loop)
@@ -186,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--listen", action="append", help="mesh listener URL (repeatable)")
     run.add_argument("--peer", action="append", help="mesh peer URL (repeatable)")
     run.add_argument("--socks5", metavar="ADDR")
-    run.add_argument("--doh", metavar="ADDR")
+    run.add_argument("--doh", metavar="ADDR", help="DoH listener address")
+    run.add_argument("--doq", metavar="ADDR", help="DoQ listener address")
+    run.add_argument("--dns", metavar="ADDR", help="plain DNS (UDP and TCP) listener address")
     run.add_argument("--exit-node", action="store_true")
     run.add_argument("--exit-nodes", metavar="IP,...")
     run.add_argument("--proxy-cidr", action="append")

@@ -532,7 +532,10 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
 
     n = _section(r, raw, "node")
     r.table(n, "node.", ["name", "network", "secret", "secret_file", "ipv4", "ipv6", "state_dir"])
-    secret = r.value(n, "node.", "secret", _parse_str, base.node.secret)
+    # MESHGATE_SECRET keeps the secret out of files and images (compose env_file);
+    # the file's secret / secret_file and then --secret win over it.
+    env_secret = os.environ.get("MESHGATE_SECRET", "")
+    secret = r.value(n, "node.", "secret", _parse_str, base.node.secret or env_secret)
     if "secret_file" in n:
         path = r.value(n, "node.", "secret_file", _parse_nonempty_str, "")
         if path:
