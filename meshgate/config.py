@@ -190,6 +190,8 @@ class LimitsConfig:
     doq_stream_timeout: float = 5.0
     buffer_pool_size: int = 1024
     admin_max_clients: int = 64
+    odoh_proxy_max_connections: int = 64  # pooled HTTP/2 connections from an ODoH proxy to targets
+    odoh_proxy_timeout: float = 5.0  # connect + answer deadline for one forwarded ODoH query
 
 
 @dataclass(frozen=True)
