@@ -1,0 +1,244 @@
+"""Where a SOCKS destination goes: the one seam between the portal and egress.
+
+`Dialer.connect(host, port, protocol_factory)` returns a connected
+(transport, protocol, bound address). The relay in `server.py` talks to the
+upstream only through the asyncio Transport/Protocol interface, so the mesh
+can later return a stream whose transport behaves like an asyncio transport.
+On this node the dialer egresses from its own host.
+
+`Dialer.open_udp(on_datagram)` is the same seam for UDP ASSOCIATE: it
+returns an egress that sends datagrams to targets and hands replies back.
+
+What really happened maps to a SOCKS reply code (`DialError.reply`):
+refused 0x05, network unreachable 0x03, host unreachable or no address (DNS
+failure) 0x04, timed out 0x06, refused by policy 0x02, anything else 0x01.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import ipaddress
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from meshgate.buffers import Buffer, BufferPool
+from meshgate.gateway import socks5
+from meshgate.metrics import REGISTRY
+
+log = logging.getLogger("meshgate.gateway.dialer")
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+Policy = Callable[[IPAddress, int], bool]
+OnDatagram = Callable[[Buffer, tuple[str, int]], None]
+
+_ERRNO_REPLY = {
+    errno.ECONNREFUSED: socks5.REP_CONNECTION_REFUSED,
+    errno.ENETUNREACH: socks5.REP_NETWORK_UNREACHABLE,
+    errno.ENETDOWN: socks5.REP_NETWORK_UNREACHABLE,
+    errno.EHOSTUNREACH: socks5.REP_HOST_UNREACHABLE,
+    errno.EHOSTDOWN: socks5.REP_HOST_UNREACHABLE,
+    errno.ETIMEDOUT: socks5.REP_TTL_EXPIRED,
+    errno.EADDRNOTAVAIL: socks5.REP_HOST_UNREACHABLE,
+    errno.EACCES: socks5.REP_NOT_ALLOWED,
+    errno.EPERM: socks5.REP_NOT_ALLOWED,
+}
+
+_udp_send_dropped = REGISTRY.counter(
+    "meshgate_socks5_udp_egress_dropped_total",
+    "UDP datagrams to targets not sent (socket buffer full or send error)",
+)
+
+
+class DialError(Exception):
+    """Could not reach a destination; `reply` is the SOCKS reply code to send."""
+
+    def __init__(self, reply: int, message: str) -> None:
+        super().__init__(message)
+        self.reply = reply
+
+
+def reply_for(exc: BaseException) -> int:
+    if isinstance(exc, TimeoutError):
+        return socks5.REP_TTL_EXPIRED
+    if isinstance(exc, socket.gaierror):
+        return socks5.REP_HOST_UNREACHABLE
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return _ERRNO_REPLY.get(exc.errno, socks5.REP_GENERAL_FAILURE)
+    return socks5.REP_GENERAL_FAILURE
+
+
+def _ip(host: str) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+class Dialer:
+    """Local egress: resolve (through the node's DNS pipeline if there is one) and connect.
+
+    `policy(ip, port) -> bool` refuses destinations (reply 0x02); None allows
+    all, which is right for a single node egressing from its own host.
+    """
+
+    def __init__(
+        self,
+        connect_timeout: float = 10.0,
+        resolver: Any = None,
+        policy: Policy | None = None,
+        write_high_water: int = 1 << 20,
+    ) -> None:
+        self.connect_timeout = connect_timeout
+        self.resolver = resolver
+        self.policy = policy
+        self.write_high_water = write_high_water
+
+    @classmethod
+    def for_node(cls, node: Any) -> Dialer:
+        limits = node.config.limits
+        return cls(
+            connect_timeout=limits.socks5_connect_timeout,
+            resolver=node.resolver,
+            write_high_water=limits.socks5_write_high_water,
+        )
+
+    async def resolve(self, host: str, port: int) -> list[IPAddress]:
+        """Addresses for `host` in the order to try them; DialError(0x04) if none."""
+        ip = _ip(host)
+        if ip is not None:
+            return [ip]
+        resolve_host = getattr(self.resolver, "resolve_host", None)
+        try:
+            if resolve_host is not None:
+                found = await resolve_host(host)
+                addrs = [a if not isinstance(a, str) else ipaddress.ip_address(a) for a in found]
+            else:
+                loop = asyncio.get_running_loop()
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                addrs = list(dict.fromkeys(ipaddress.ip_address(i[4][0]) for i in infos))
+        except (OSError, ValueError) as e:
+            raise DialError(socks5.REP_HOST_UNREACHABLE, f"cannot resolve {host!r}: {e}") from None
+        if not addrs:
+            raise DialError(socks5.REP_HOST_UNREACHABLE, f"no address for {host!r}")
+        return addrs
+
+    def _allowed(self, ip: IPAddress, port: int) -> bool:
+        return self.policy is None or self.policy(ip, port)
+
+    async def connect(
+        self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
+    ) -> tuple[asyncio.Transport, asyncio.Protocol, tuple[str, int]]:
+        """Connect within connect_timeout (resolution included); addresses tried in order."""
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                return await self._connect(host, port, protocol_factory)
+        except TimeoutError:
+            raise DialError(
+                socks5.REP_TTL_EXPIRED, f"connect to {host}:{port} timed out after {self.connect_timeout}s"
+            ) from None
+
+    async def _connect(
+        self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
+    ) -> tuple[asyncio.Transport, asyncio.Protocol, tuple[str, int]]:
+        addrs = await self.resolve(host, port)
+        allowed = [a for a in addrs if self._allowed(a, port)]
+        if not allowed:
+            raise DialError(socks5.REP_NOT_ALLOWED, f"{host}:{port} is not allowed by the egress rules")
+        loop = asyncio.get_running_loop()
+        first_error: BaseException | None = None
+        for ip in allowed:
+            try:
+                transport, protocol = await loop.create_connection(protocol_factory, str(ip), port)
+            except OSError as e:
+                # Keep the first failure: with an IPv6 address listed first on a
+                # host without IPv6 routes, "refused" on IPv4 is the real story,
+                # so prefer any error that is not "unreachable".
+                if first_error is None or reply_for(first_error) in (
+                    socks5.REP_NETWORK_UNREACHABLE,
+                    socks5.REP_HOST_UNREACHABLE,
+                ):
+                    first_error = e
+                continue
+            sock = transport.get_extra_info("sockname")
+            bound = (str(sock[0]), int(sock[1])) if sock else ("0.0.0.0", 0)
+            return transport, protocol, bound  # type: ignore[return-value]
+        assert first_error is not None
+        reason = getattr(first_error, "strerror", None) or str(first_error)
+        raise DialError(reply_for(first_error), f"connect to {host}:{port} failed: {reason}")
+
+    async def open_udp(self, on_datagram: OnDatagram, pool: BufferPool) -> LocalUdpEgress:
+        """An egress for one UDP association: replies land in pooled buffers
+        (payload at the headroom, so the SOCKS header is prepended in place)."""
+        return LocalUdpEgress(asyncio.get_running_loop(), on_datagram, pool)
+
+
+class LocalUdpEgress:
+    """One unconnected UDP socket per address family for one association.
+
+    Raw non-blocking sockets driven by `loop.add_reader`: replies are read with
+    `recvfrom_into` straight into a pooled buffer, and `sendto` copies into the
+    kernel synchronously, so buffer lifetimes stay simple (a full socket
+    buffer drops the datagram, which UDP allows, and counts it).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_datagram: OnDatagram, pool: BufferPool) -> None:
+        self.loop = loop
+        self.on_datagram = on_datagram
+        self.pool = pool
+        self._socks: dict[int, socket.socket] = {}
+        self.closed = False
+
+    def _sock(self, family: int) -> socket.socket:
+        s = self._socks.get(family)
+        if s is None:
+            af = socket.AF_INET if family == 4 else socket.AF_INET6
+            s = socket.socket(af, socket.SOCK_DGRAM)
+            s.setblocking(False)
+            try:
+                s.bind(("0.0.0.0", 0) if family == 4 else ("::", 0))
+            except OSError:
+                s.close()
+                raise
+            self._socks[family] = s
+            self.loop.add_reader(s.fileno(), self._readable, s)
+        return s
+
+    def sendto(self, data: bytes | memoryview, sockaddr: tuple[str, int], family: int) -> bool:
+        if self.closed:
+            return False
+        try:
+            self._sock(family).sendto(data, sockaddr)
+        except OSError:
+            _udp_send_dropped.inc()
+            return False
+        return True
+
+    def _readable(self, s: socket.socket) -> None:
+        # Drain a bounded batch per wake-up so one busy target cannot starve the loop.
+        for _ in range(64):
+            buf = self.pool.get()
+            try:
+                n, addr = s.recvfrom_into(memoryview(buf.data)[buf.headroom :])
+            except (BlockingIOError, InterruptedError):
+                buf.recycle()
+                return
+            except OSError:
+                buf.recycle()  # an ICMP error surfaced on the socket; nothing was read
+                continue
+            buf.start = buf.headroom
+            buf.length = n
+            self.on_datagram(buf, addr if len(addr) == 2 else (addr[0], addr[1]))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for s in self._socks.values():
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(s.fileno())
+            s.close()
+        self._socks.clear()

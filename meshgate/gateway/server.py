@@ -1,0 +1,428 @@
+"""The SOCKS5 portal's asyncio adapter: handshake, dial, relay.
+
+Per client one `ClientProtocol`; after a successful CONNECT an
+`UpstreamProtocol` on the dialer's transport. The relay writes each chunk
+straight into the other side's transport (no queue, no await) and uses the
+transports' own flow control for backpressure: each transport's high-water
+mark is `limits.socks5_write_high_water`, and when one side's write buffer
+crosses it, `pause_writing` pauses reading on the other side until
+`resume_writing`. Either side's EOF is passed on with `write_eof` (half-close)
+and the pair closes once both directions have ended.
+
+The upstream is reached only through the asyncio Transport/Protocol
+interface, so a mesh stream that behaves like a transport drops in through
+the dialer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from meshgate.buffers import BufferPool
+from meshgate.config import Config
+from meshgate.gateway import socks5
+from meshgate.gateway.dialer import DialError
+from meshgate.logs import RateLimitedLog
+from meshgate.metrics import REGISTRY, LocalCounter
+
+if TYPE_CHECKING:
+    from meshgate.gateway.dialer import Dialer
+    from meshgate.gateway.udp import UdpAssociation
+
+log = logging.getLogger("meshgate.gateway")
+rlog = RateLimitedLog(log)
+
+CLIENTS = REGISTRY.gauge("meshgate_socks5_clients", "SOCKS5 client connections open now")
+ACCEPTED = REGISTRY.counter("meshgate_socks5_clients_total", "SOCKS5 client connections accepted")
+REFUSED = REGISTRY.counter(
+    "meshgate_socks5_clients_refused_total", "SOCKS5 connections closed at once: max_clients reached"
+)
+CONNECTS = REGISTRY.counter(
+    "meshgate_socks5_requests_total", "SOCKS5 requests answered, by command and reply", ("command", "reply")
+)
+BYTES = REGISTRY.counter(
+    "meshgate_socks5_bytes_total", "Bytes relayed: in = from clients, out = to clients", ("direction",)
+)
+AUTH_FAILURES = REGISTRY.counter("meshgate_socks5_auth_failures_total", "RFC 1929 authentication failures")
+BAD_REQUESTS = REGISTRY.counter(
+    "meshgate_socks5_bad_requests_total", "SOCKS5 protocol errors from clients", ("kind",)
+)
+TIMEOUTS = REGISTRY.counter("meshgate_socks5_timeouts_total", "SOCKS5 connections timed out", ("phase",))
+
+_BYTES_IN = BYTES.labels("in")
+_BYTES_OUT = BYTES.labels("out")
+_HANDSHAKE_TIMEOUTS = TIMEOUTS.labels("handshake")
+_IDLE_TIMEOUTS = TIMEOUTS.labels("idle")
+_COMMAND_NAMES = {socks5.CMD_CONNECT: "connect", socks5.CMD_BIND: "bind", socks5.CMD_UDP_ASSOCIATE: "udp"}
+
+# Flush byte counters every this many bytes (and at close): per read, not per byte,
+# and not a lock per read either.
+_BYTES_FLUSH = 1 << 20
+
+
+def _peer_text(peer: Any) -> str:
+    if not peer:
+        return "?"
+    host, port = peer[0], peer[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+class Socks5Server:
+    """Owns the listener and every client; `close()` ends them all."""
+
+    def __init__(self, config: Config, dialer: Dialer, pool: BufferPool) -> None:
+        self.config = config
+        self.limits = config.limits
+        self.dialer = dialer
+        self.pool = pool
+        self.users = {u.name.encode(): u.password.encode() for u in config.socks5.users}
+        self.max_clients = config.socks5.max_clients
+        self.udp_enabled = config.socks5.udp
+        self.clients: set[ClientProtocol] = set()
+        self.server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> asyncio.Server:
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: ClientProtocol(self), host, port, backlog=1024)
+        return self.server
+
+    @property
+    def sockname(self) -> tuple[str, int]:
+        assert self.server is not None
+        s = self.server.sockets[0].getsockname()
+        return str(s[0]), int(s[1])
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for c in list(self.clients):
+            c.abort()
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 5)
+            self.server = None
+
+
+_HANDSHAKE, _CONNECTING, _RELAY, _UDP, _CLOSED = range(5)
+
+
+class ClientProtocol(asyncio.Protocol):
+    """One SOCKS client connection, from greeting to close."""
+
+    def __init__(self, server: Socks5Server) -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.state = _HANDSHAKE
+        self.transport: asyncio.Transport | None = None
+        self.upstream: asyncio.Transport | None = None
+        self.peer: Any = None
+        self.core = socks5.ServerConnection(server.users)
+        self.udp: UdpAssociation | None = None
+        self._counted = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._active = False  # any traffic since the last idle check
+        self._client_eof = False
+        self._upstream_eof = False
+        self._connect_task: asyncio.Task[None] | None = None
+        self._bytes_in = LocalCounter(_BYTES_IN, _BYTES_FLUSH)
+        self._bytes_out = LocalCounter(_BYTES_OUT, _BYTES_FLUSH)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.peer = transport.get_extra_info("peername")
+        srv = self.server
+        if len(srv.clients) >= srv.max_clients:
+            REFUSED.inc()
+            rlog.debug("max_clients", "socks5: refusing %s: max_clients=%d reached",
+                       _peer_text(self.peer), srv.max_clients)
+            self.state = _CLOSED
+            transport.abort()
+            return
+        srv.clients.add(self)
+        self._counted = True
+        ACCEPTED.inc()
+        CLIENTS.inc()
+        transport.set_write_buffer_limits(high=srv.limits.socks5_write_high_water)
+        self._timer = self.loop.call_later(srv.limits.socks5_handshake_timeout, self._handshake_expired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.state = _CLOSED
+        if self._counted:
+            self._counted = False
+            self.server.clients.discard(self)
+            CLIENTS.dec()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._connect_task is not None and not self._connect_task.done():
+            self._connect_task.cancel()
+        if self.upstream is not None:
+            self.upstream.close()  # flushes what the client already sent
+        if self.udp is not None:
+            self.udp.close()
+            self.udp = None
+        self._bytes_in.flush()
+        self._bytes_out.flush()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+        if self.upstream is not None:
+            self.upstream.abort()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if self.upstream is not None:
+            self.upstream.close()
+
+    # ----------------------------------------------------------------- reading
+
+    def data_received(self, data: bytes) -> None:
+        if self.state == _RELAY:  # the hot path
+            self._active = True
+            self._bytes_in.add(len(data))
+            assert self.upstream is not None
+            self.upstream.write(data)
+            return
+        if self.state == _HANDSHAKE:
+            self._handshake(data)
+        elif self.state == _CONNECTING:
+            # Reading is paused while we dial; a read already delivered is kept
+            # and forwarded after the reply.
+            self.core.receive_data(data)
+        elif self.state == _UDP:
+            self._active = True  # the control connection carries nothing; ignore it
+
+    def eof_received(self) -> bool:
+        self._client_eof = True
+        if self.state == _RELAY:
+            up = self.upstream
+            assert up is not None
+            if self._upstream_eof:
+                self.close()
+                return False
+            if up.can_write_eof():
+                up.write_eof()
+            else:
+                up.close()
+            return True  # keep the reply direction open (half-close)
+        # While dialing the request is in and the reply may still go out; in
+        # the handshake or on a UDP control connection EOF ends it.
+        return self.state == _CONNECTING
+
+    # ----------------------------------------------------------------- flow control
+
+    def pause_writing(self) -> None:
+        # The client reads slower than the upstream sends: stop reading upstream.
+        if self.upstream is not None:
+            self.upstream.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.upstream is not None and not self.upstream.is_closing():
+            self.upstream.resume_reading()
+
+    # ----------------------------------------------------------------- handshake
+
+    def _handshake(self, data: bytes) -> None:
+        core = self.core
+        core.receive_data(data)
+        transport = self.transport
+        assert transport is not None
+        try:
+            while True:
+                event = core.next_event()
+                out = core.data_to_send()
+                if out:
+                    transport.write(out)
+                if event is None:
+                    return
+                if isinstance(event, socks5.Request):
+                    self._request(event)
+                    return
+        except socks5.Socks5Error as e:
+            out = core.data_to_send()
+            if out:
+                transport.write(out)
+            if e.kind == "auth":
+                AUTH_FAILURES.inc()
+            else:
+                BAD_REQUESTS.labels(e.kind).inc()
+            if e.reply is not None:
+                CONNECTS.labels("invalid", socks5.REPLY_NAMES.get(e.reply, str(e.reply))).inc()
+            rlog.debug(f"bad:{e.kind}", "socks5: %s from %s", e, _peer_text(self.peer))
+            transport.close()
+
+    def _reply_and_close(self, request: socks5.Request, rep: int) -> None:
+        CONNECTS.labels(_COMMAND_NAMES[request.command], socks5.REPLY_NAMES[rep]).inc()
+        assert self.transport is not None
+        self.transport.write(socks5.build_reply(rep))
+        self.transport.close()
+
+    def _request(self, request: socks5.Request) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if request.command == socks5.CMD_BIND:
+            self._reply_and_close(request, socks5.REP_COMMAND_NOT_SUPPORTED)
+            return
+        if request.command == socks5.CMD_UDP_ASSOCIATE and not self.server.udp_enabled:
+            self._reply_and_close(request, socks5.REP_COMMAND_NOT_SUPPORTED)
+            return
+        assert self.transport is not None
+        self.state = _CONNECTING
+        self.transport.pause_reading()  # bytes behind the request wait in the kernel
+        if request.command == socks5.CMD_CONNECT:
+            self._connect_task = self.loop.create_task(self._connect(request))
+        else:
+            self._connect_task = self.loop.create_task(self._associate(request))
+
+    async def _connect(self, request: socks5.Request) -> None:
+        host, port = request.host, request.port
+        try:
+            transport, _, bound = await self.server.dialer.connect(host, port, lambda: UpstreamProtocol(self))
+        except DialError as e:
+            rlog.debug(f"dial:{e.reply}", "socks5: %s for %s", e, _peer_text(self.peer))
+            if self.state == _CONNECTING:
+                self._reply_and_close(request, e.reply)
+            return
+        except Exception as e:  # never a traceback to the peer; reply and log
+            log.warning("socks5: unexpected error connecting to %s:%d: %r", host, port, e)
+            if self.state == _CONNECTING:
+                self._reply_and_close(request, socks5.REP_GENERAL_FAILURE)
+            return
+        finally:
+            self._connect_task = None
+        if self.state != _CONNECTING:  # the client left while we dialed
+            transport.close()
+            return
+        assert self.transport is not None
+        CONNECTS.labels("connect", "succeeded").inc()
+        self.transport.write(socks5.build_reply(socks5.REP_SUCCEEDED, bound[0], bound[1]))
+        # The upstream protocol was attached in connection_made (below).
+        self.state = _RELAY
+        early = self.core.trailing_data()
+        if early:
+            self._bytes_in.add(len(early))
+            transport.write(early)
+        if self._client_eof:
+            self.eof_received()
+        else:
+            self.transport.resume_reading()
+        self._timer = self.loop.call_later(self.server.limits.socks5_idle_timeout, self._idle_check)
+
+    async def _associate(self, request: socks5.Request) -> None:
+        from meshgate.gateway.udp import UdpAssociation
+
+        assert self.transport is not None
+        try:
+            assoc = await UdpAssociation.open(self, request)
+        except OSError as e:
+            rlog.debug("udp-open", "socks5: UDP ASSOCIATE for %s failed: %s", _peer_text(self.peer), e)
+            if self.state == _CONNECTING:
+                self._reply_and_close(request, socks5.REP_GENERAL_FAILURE)
+            return
+        finally:
+            self._connect_task = None
+        if self.state != _CONNECTING:
+            assoc.close()
+            return
+        self.udp = assoc
+        self.state = _UDP
+        host, port = assoc.bound
+        CONNECTS.labels("udp", "succeeded").inc()
+        self.transport.write(socks5.build_reply(socks5.REP_SUCCEEDED, host, port))
+        if self._client_eof:
+            self.transport.close()
+            return
+        self.transport.resume_reading()
+        self._timer = self.loop.call_later(self.server.limits.socks5_idle_timeout, self._idle_check)
+
+    # ----------------------------------------------------------------- upstream events
+
+    def upstream_made(self, transport: asyncio.Transport) -> None:
+        self.upstream = transport
+        with contextlib.suppress(AttributeError, NotImplementedError):
+            transport.set_write_buffer_limits(high=self.server.limits.socks5_write_high_water)
+
+    def upstream_data(self, data: bytes) -> None:
+        self._active = True
+        self._bytes_out.add(len(data))
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def upstream_eof(self) -> bool:
+        self._upstream_eof = True
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        if self._client_eof:
+            self.close()
+            return False
+        if transport.can_write_eof():
+            transport.write_eof()
+        return True
+
+    def upstream_lost(self) -> None:
+        self.upstream = None
+        if self.transport is not None and self.state != _CONNECTING:
+            self.transport.close()  # after flushing what the upstream sent
+
+    # ----------------------------------------------------------------- timers
+
+    def _handshake_expired(self) -> None:
+        self._timer = None
+        if self.state == _HANDSHAKE:
+            _HANDSHAKE_TIMEOUTS.inc()
+            rlog.debug("handshake-timeout", "socks5: handshake timeout for %s", _peer_text(self.peer))
+            self.abort()
+
+    def _idle_check(self) -> None:
+        # One timer per connection re-armed each period (not per read): a
+        # connection closes after one to two idle periods without traffic.
+        self._timer = None
+        if self.state in (_CLOSED, _HANDSHAKE):
+            return
+        if self._active or (self.udp is not None and self.udp.take_activity()):
+            self._active = False
+            self._timer = self.loop.call_later(self.server.limits.socks5_idle_timeout, self._idle_check)
+            return
+        _IDLE_TIMEOUTS.inc()
+        rlog.debug("idle-timeout", "socks5: idle timeout for %s", _peer_text(self.peer))
+        self.close()
+
+
+class UpstreamProtocol(asyncio.Protocol):
+    """The destination side of one relay; every event goes to its client."""
+
+    def __init__(self, client: ClientProtocol) -> None:
+        self.client = client
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.client.upstream_made(transport)  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        self.client.upstream_data(data)
+
+    def eof_received(self) -> bool:
+        return self.client.upstream_eof()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client.upstream_lost()
+
+    def pause_writing(self) -> None:
+        # The destination reads slower than the client sends: stop reading the client.
+        t = self.client.transport
+        if t is not None and not t.is_closing():
+            t.pause_reading()
+
+    def resume_writing(self) -> None:
+        t = self.client.transport
+        if t is not None and not t.is_closing() and self.client.state == _RELAY:
+            t.resume_reading()
