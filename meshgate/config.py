@@ -185,6 +185,8 @@ class LimitsConfig:
     dns_timeout: float = 3.0
     dns_max_inflight: int = 4096
     dns_tcp_idle_timeout: float = 10.0
+    dns_tcp_max_clients: int = 1024  # per DNS TCP/DoT/DoH listener
+    dns_tcp_max_queries: int = 64  # pipelined queries in flight per TCP/DoT connection
     doh_max_streams: int = 100
     doq_max_streams: int = 64
     doq_stream_timeout: float = 5.0
