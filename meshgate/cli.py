@@ -31,6 +31,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     put("mesh", "listen", args.listen)
     put("mesh", "peers", args.peer)
     put("mesh", "proxy_cidrs", args.proxy_cidr)
+    put("dns", "upstreams", args.upstream)
     if args.exit_node:
         put("mesh", "exit_node", True)
     if args.exit_nodes:
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--doh", metavar="ADDR", help="DoH listener address")
     run.add_argument("--doq", metavar="ADDR", help="DoQ listener address")
     run.add_argument("--dns", metavar="ADDR", help="plain DNS (UDP and TCP) listener address")
+    run.add_argument("--upstream", action="append", help="DNS upstream URL (repeatable)")
     run.add_argument("--exit-node", action="store_true")
     run.add_argument("--exit-nodes", metavar="IP,...")
     run.add_argument("--proxy-cidr", action="append")
@@ -246,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="start the demo mesh on this machine")
     demo.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
+    demo.add_argument("--ports", metavar="SOCKS5,DOH,DOQ,ADMIN", help="default 1080,8443,8853,15888")
+    demo.add_argument("--prefix", default="mgdemo", help="name prefix for namespaces and links")
     demo.set_defaults(func=cmd_demo)
 
     v = sub.add_parser("version")
