@@ -291,6 +291,28 @@ class ResponseContext:
         ct = aead.encrypt(aead_nonce, encode_plaintext(dns_message, padding), aad)
         return ObliviousMessage(RESPONSE, nonce, ct).encode()
 
+    def seal_response_into(
+        self, out: memoryview | bytearray, dns_message: bytes, padding: int = 0, nonce: bytes | None = None
+    ) -> int:
+        """As `seal_response`, written straight into `out` (a pooled buffer's
+        memory); returns the bytes written. Raises ValueError if it does not fit."""
+        if nonce is None:
+            nonce = os.urandom(RESPONSE_NONCE_LEN)
+        if len(nonce) != RESPONSE_NONCE_LEN:
+            raise ValueError("response nonce must be 16 bytes")
+        plain = encode_plaintext(dns_message, padding)
+        ct_len = len(plain) + TAG_LEN
+        total = 3 + RESPONSE_NONCE_LEN + 2 + ct_len
+        if total > len(out) or ct_len > 0xFFFF:
+            raise ValueError("sealed response does not fit the buffer")
+        header = struct.pack(">BH", RESPONSE, RESPONSE_NONCE_LEN) + nonce
+        out[: len(header)] = header
+        struct.pack_into(">H", out, len(header), ct_len)
+        aead, aead_nonce = self._aead(nonce)
+        start = len(header) + 2
+        aead.encrypt_into(aead_nonce, plain, header, memoryview(out)[start : start + ct_len])
+        return total
+
     def open_response(self, data: bytes) -> bytes:
         """Client side: the DNS message of the target's answer."""
         msg = ObliviousMessage.decode(data, RESPONSE)

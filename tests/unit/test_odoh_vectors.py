@@ -102,3 +102,17 @@ def test_rfc9180_a11_keys_and_seal() -> None:
     for x in HPKE["exports"]:
         assert sender.export(h(x["exporter_context"]), x["L"]) == h(x["exported_value"])
         assert receiver.export(h(x["exporter_context"]), x["L"]) == h(x["exported_value"])
+
+
+@pytest.mark.parametrize("i", [0, 7, 15])
+def test_seal_into_buffer_matches_vector(i: int, target_key: odoh.TargetKey) -> None:
+    t = TRANSACTIONS[i]
+    _, ctx = odoh.TargetKeys(target_key).open_query(h(t["obliviousQuery"]))
+    want = h(t["obliviousResponse"])
+    out = bytearray(len(want) + 7)
+    n = ctx.seal_response_into(memoryview(out)[3:], h(t["response"]), t["responsePaddingLength"],
+                               nonce=want[3:19])
+    assert n == len(want)
+    assert bytes(out[3 : 3 + n]) == want
+    with pytest.raises(ValueError):
+        ctx.seal_response_into(bytearray(len(want) - 1), h(t["response"]), t["responsePaddingLength"])
