@@ -1,0 +1,106 @@
+"""DoH request handling (RFC 8484), independent of the HTTP/2 plumbing.
+
+`DohApp(pipeline, stats, path)` is an h2server Handler: call it with
+(method, path, headers, body) and get (status, headers, body) back, or an
+awaitable of that when the answer needs an upstream. The ODoH target reuses
+it for the plain DoH part of a dual listener.
+
+Rules (../shared/notes/dns-protocols.md): GET `?dns=` is base64url without
+padding (400 for '=', '+', '/' or other bad encodings), POST needs
+`content-type: application/dns-message` (415) and at most 65535 bytes (413,
+enforced by the server while the body arrives), other methods 405. Every
+DNS answer, whatever its RCODE, is 200 with `cache-control: max-age` = the
+remaining TTL (smallest answer TTL, or the negative TTL). The EDNS UDP size
+is ignored: never truncate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import binascii
+import re
+from base64 import urlsafe_b64decode
+from collections.abc import Awaitable
+
+from meshgate.buffers import Buffer
+from meshgate.dns.h2server import Response, current_peer
+from meshgate.dns.resolver import Frontend, Pipeline
+from meshgate.dns.stats import ListenerStats
+
+CONTENT_TYPE = "application/dns-message"
+_B64URL = re.compile(r"[A-Za-z0-9_-]*")
+_TEXT = [("content-type", "text/plain; charset=utf-8")]
+
+
+def decode_get_param(query_string: str) -> bytes | None:
+    """The `dns` parameter of a GET, or None if missing or not unpadded base64url."""
+    value: str | None = None
+    for part in query_string.split("&"):
+        k, sep, v = part.partition("=")
+        if k == "dns" and sep:
+            value = v
+            break
+    if value is None or not value or _B64URL.fullmatch(value) is None or len(value) % 4 == 1:
+        return None
+    try:
+        return urlsafe_b64decode(value + "=" * (-len(value) % 4))
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _error(status: int, text: str, extra: list[tuple[str, str]] | None = None) -> Response:
+    return (status, [*_TEXT, *(extra or [])], text.encode())
+
+
+class DohApp:
+    def __init__(self, pipeline: Pipeline, stats: ListenerStats, path: str = "/dns-query") -> None:
+        self.frontend = Frontend(pipeline, stats)
+        self.stats = stats
+        self.path = path
+        self.loop = asyncio.get_running_loop()
+
+    def __call__(self, method: str, path: str, headers: list[tuple[str, str]],
+                 body: bytes) -> Response | Awaitable[Response]:
+        target, _, qs = path.partition("?")
+        if target != self.path:
+            self.stats.error("http_404")
+            return _error(404, "not found\n")
+        if method == "GET":
+            msg = decode_get_param(qs)
+            if msg is None:
+                self.stats.error("http_400_base64")
+                return _error(400, "dns parameter must be base64url without padding\n")
+        elif method == "POST":
+            ctype = next((v for k, v in headers if k == "content-type"), "")
+            if ctype.split(";")[0].strip().lower() != CONTENT_TYPE:
+                self.stats.error("http_415")
+                return _error(415, f"content-type must be {CONTENT_TYPE}\n")
+            if len(body) > 65535:
+                self.stats.error("too_large")
+                return _error(413, "body over 65535 bytes\n")
+            msg = body
+        else:
+            self.stats.error("http_405")
+            return _error(405, "use GET or POST\n", [("allow", "GET, POST")])
+        fut: asyncio.Future[Response] | None = None
+
+        def done(buf: Buffer | None, max_age: int) -> None:
+            if fut is None or fut.done():
+                if buf is not None:
+                    buf.drop()
+                return
+            fut.set_result(self._ok(buf, max_age))
+
+        fe = self.frontend
+        res = fe.query(msg, self.loop.time(), current_peer.get(), done=done)
+        if res is Frontend.PENDING:
+            fut = self.loop.create_future()
+            return fut
+        if res is None:
+            return _error(400, "not a DNS query\n")
+        return self._ok(res, fe.max_age)
+
+    def _ok(self, buf: Buffer | None, max_age: int) -> Response:
+        if buf is None:  # dropped: too much in flight
+            return _error(503, "busy\n", [("retry-after", "1")])
+        return (200, [("content-type", CONTENT_TYPE), ("cache-control", f"max-age={max_age}")], buf)

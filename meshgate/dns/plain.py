@@ -1,0 +1,230 @@
+"""Plain DNS over UDP and over TCP (RFC 7766), and DoT (RFC 7858, the same framing in TLS).
+
+asyncio Protocols, no streams: a cached or local answer is packed into a
+pooled buffer and written in the same loop tick the query arrived in.
+Buffers: UDP recycles after `sendto` left nothing queued in the transport;
+TCP/TLS park a written buffer until the transport's buffer is empty
+(`release_when_drained`) and drop everything parked when the peer vanishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Any, cast
+
+from meshgate.buffers import Buffer, abandon_parked, drain_parked, release_when_drained
+from meshgate.config import LimitsConfig
+from meshgate.dns.resolver import Frontend, Pipeline
+from meshgate.dns.stats import ListenerStats
+from meshgate.logs import RateLimitedLog
+
+log = logging.getLogger("meshgate.dns")
+rlog = RateLimitedLog(log)
+
+MAX_PARKED = 64  # buffers parked per connection before we stop tracking (drop) them
+
+
+class UdpDnsProtocol(asyncio.DatagramProtocol):
+    def __init__(self, pipeline: Pipeline, stats: ListenerStats) -> None:
+        self.frontend = Frontend(pipeline, stats)
+        self.stats = stats
+        self.transport: asyncio.DatagramTransport | None = None
+        self.loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)  # selector's isn't a subclass
+
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        res = self.frontend.query(data, self.loop.time(), addr, udp=True,
+                                  done=lambda buf, _age: self._send(buf, addr))
+        if isinstance(res, Buffer):
+            self._send(res, addr)
+
+    def _send(self, buf: Buffer | None, addr: tuple[Any, ...]) -> None:
+        t = self.transport
+        if buf is None:
+            return
+        if t is None or t.is_closing():
+            buf.drop()
+            return
+        try:
+            t.sendto(buf.view(), addr)
+        except OSError as e:
+            buf.drop()
+            self.stats.error("send")
+            rlog.debug(f"udp send {addr}", "dns %s: sendto %s failed: %s", self.stats.name, addr, e)
+            return
+        # sendto copies what it could not send at once; recycle only when nothing is queued.
+        if cast(asyncio.WriteTransport, t).get_write_buffer_size() == 0:
+            buf.recycle()
+        else:
+            buf.drop()
+
+    def error_received(self, exc: Exception) -> None:
+        self.stats.error("icmp")
+
+
+class StreamDnsProtocol(asyncio.Protocol):
+    """DNS over TCP or TLS: 2-byte length frames, pipelined, answered out of order."""
+
+    def __init__(self, pipeline: Pipeline, stats: ListenerStats, limits: LimitsConfig,
+                 conns: set[StreamDnsProtocol]) -> None:
+        self.frontend = Frontend(pipeline, stats)
+        self.stats = stats
+        self.limits = limits
+        self.conns = conns
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.inbuf = bytearray()
+        self.parked: deque[Buffer] = deque()
+        self.pending = 0
+        self.reading = True
+        self.writing = True
+        self.peer: Any = None
+        self.last_active = self.loop.time()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.peer = transport.get_extra_info("peername")
+        if len(self.conns) >= self.limits.dns_tcp_max_clients:
+            self.stats.drop("max_clients")
+            rlog.debug(f"{self.stats.name} max",
+                       "dns %s: refusing %s: %d connections (limits.dns_tcp_max_clients)",
+                       self.stats.name, self.peer, len(self.conns))
+            transport.abort()
+            return
+        self.conns.add(self)
+        self.timer = self.loop.call_later(self.limits.dns_tcp_idle_timeout, self._check_idle)
+
+    def _check_idle(self) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        idle = self.loop.time() - self.last_active
+        timeout = self.limits.dns_tcp_idle_timeout
+        if idle >= timeout and self.pending == 0:
+            t.close()
+            return
+        self.timer = self.loop.call_later(max(timeout - idle, 0.05), self._check_idle)
+
+    def data_received(self, data: bytes) -> None:
+        self.inbuf += data
+        self.last_active = self.loop.time()
+        self._process()
+
+    def _process(self) -> None:
+        buf = self.inbuf
+        t = self.transport
+        while len(buf) >= 2 and t is not None and not t.is_closing():
+            if self.pending >= self.limits.dns_tcp_max_queries:
+                # Pipelining is bounded (dnsdist CVE-2025-30193 class): stop reading
+                # until answers go out; what is already buffered waits.
+                self._pause_reading()
+                return
+            n = (buf[0] << 8) | buf[1]
+            if len(buf) < 2 + n:
+                return
+            msg = bytes(buf[2 : 2 + n])
+            del buf[: 2 + n]
+            res = self.frontend.query(msg, self.loop.time(), self.peer, done=self._done)
+            if res is Frontend.PENDING:
+                self.pending += 1
+            elif isinstance(res, Buffer):
+                self._write(res)
+        self._flush_parked()
+
+    def _done(self, buf: Buffer | None, _age: int) -> None:
+        self.pending -= 1
+        if buf is not None:
+            self._write(buf)
+        if self.reading is False and self.writing and self.pending < self.limits.dns_tcp_max_queries:
+            self._resume_reading()
+            self._process()
+
+    def _write(self, buf: Buffer) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            buf.drop()
+            return
+        buf.prepend_length()
+        try:
+            t.write(buf.view())
+        except Exception as e:  # a transport that failed mid-write may hold part of it
+            buf.drop()
+            self.stats.error("write")
+            rlog.debug(f"{self.stats.name} write {self.peer}", "dns %s: write to %s failed: %r",
+                       self.stats.name, self.peer, e)
+            return
+        if len(self.parked) >= MAX_PARKED:
+            buf.drop()
+            return
+        release_when_drained(buf, t, self.parked)
+
+    def _flush_parked(self) -> None:
+        if self.transport is not None and self.parked:
+            drain_parked(self.transport, self.parked)
+
+    def _pause_reading(self) -> None:
+        if self.reading and self.transport is not None:
+            self.reading = False
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if not self.reading and self.transport is not None and not self.transport.is_closing():
+            self.reading = True
+            self.transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        self.writing = False
+        self._pause_reading()
+
+    def resume_writing(self) -> None:
+        self.writing = True
+        self._flush_parked()
+        if self.pending < self.limits.dns_tcp_max_queries:
+            self._resume_reading()
+            self._process()
+
+    def eof_received(self) -> bool | None:
+        if self.inbuf:
+            self.stats.error("truncated_frame")
+            rlog.debug(f"{self.stats.name} trunc {self.peer}", "dns %s: %s closed mid-frame (%d bytes)",
+                       self.stats.name, self.peer, len(self.inbuf))
+            self.inbuf.clear()
+        # Keep the connection half-open while answers are pending (RFC 7766 6.2.3).
+        return self.pending > 0
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.conns.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.inbuf:
+            self.stats.error("truncated_frame")
+            self.inbuf.clear()
+        abandon_parked(self.parked)  # the transport may still hold views of them
+        self.frontend.close()
+        self.transport = None
+
+
+async def start_udp(pipeline: Pipeline, stats: ListenerStats, host: str,
+                    port: int) -> asyncio.DatagramTransport:
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(
+        lambda: UdpDnsProtocol(pipeline, stats), local_addr=(host, port)
+    )
+    return transport
+
+
+async def start_stream(pipeline: Pipeline, stats: ListenerStats, limits: LimitsConfig, host: str, port: int,
+                       ssl: Any = None) -> tuple[asyncio.Server, set[StreamDnsProtocol]]:
+    loop = asyncio.get_running_loop()
+    conns: set[StreamDnsProtocol] = set()
+    server = await loop.create_server(
+        lambda: StreamDnsProtocol(pipeline, stats, limits, conns), host, port, ssl=ssl, backlog=1024,
+        ssl_handshake_timeout=limits.dns_tcp_idle_timeout if ssl is not None else None,
+    )
+    return server, conns

@@ -1,0 +1,322 @@
+"""The resolver pipeline every DNS listener (and the gateway's own lookups) goes through.
+
+    query -> mesh zone (node names, apex SOA/NS) -> static records -> cache -> upstreams
+
+`lookup()` is synchronous and answers everything that needs no network (the
+hot path: no await per query); `resolve()` goes upstream with coalescing of
+identical questions, timeouts, failover and a bounded number in flight.
+`Frontend` is the per-listener glue: bytes in, a packed pooled Buffer out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from meshgate.buffers import Buffer, BufferPool
+from meshgate.config import Config
+from meshgate.dns import wire
+from meshgate.dns.cache import AnswerCache
+from meshgate.dns.stats import ListenerStats
+from meshgate.dns.upstream import Upstream, parse_upstream, resolv_conf_upstreams
+from meshgate.dns.wire import Answer, FormError, Query, WireError
+from meshgate.logs import RateLimitedLog
+from meshgate.metrics import REGISTRY
+
+log = logging.getLogger("meshgate.dns")
+rlog = RateLimitedLog(log)
+
+MESH_TTL = 10  # node addresses change when nodes come and go: keep caches short
+RECORD_TTL = 60
+NEGATIVE_TTL = 10  # the zone SOA MINIMUM
+LOCAL_MEMO_SECONDS = 1.0
+LOCAL_MEMO_MAX = 4096
+BUFFER_CAPACITY = 4096  # pooled buffer size; larger answers get a one-off buffer
+BUFFER_HEADROOM = 16
+
+_upstream_errors = REGISTRY.counter(
+    "meshgate_dns_upstream_errors_total", "Upstream exchanges that failed", ("upstream", "reason")
+)
+_upstream_queries = REGISTRY.counter(
+    "meshgate_dns_upstream_queries_total", "Queries sent upstream", ("upstream",)
+)
+_overload = REGISTRY.counter(
+    "meshgate_dns_inflight_dropped_total", "Queries dropped because dns_max_inflight were in flight"
+)
+
+
+class Pipeline:
+    def __init__(self, config: Config, node: Any = None, upstreams: list[Upstream] | None = None,
+                 *, pooled: bool = True) -> None:
+        self.config = config
+        self.node = node
+        self.zone = wire.encode_name(config.dns.zone)
+        self.cache = AnswerCache(config.dns.cache_size)
+        self.timeout = config.limits.dns_timeout
+        self.max_inflight = config.limits.dns_max_inflight
+        self.pooled = pooled
+        self.pool = BufferPool(BUFFER_CAPACITY, BUFFER_HEADROOM, config.limits.buffer_pool_size)
+        if upstreams is None:
+            urls = list(config.dns.upstreams) or resolv_conf_upstreams()
+            upstreams = [parse_upstream(u) for u in urls]
+        self.upstreams = upstreams
+        self._preferred = 0
+        self._pending: dict[tuple[bytes, int, int], asyncio.Future[Answer]] = {}
+        self.inflight = 0
+        self._memo: dict[tuple[bytes, int, int], Answer] = {}
+        self._memo_until = 0.0
+        self._records: dict[bytes, list[tuple[int, bytes]]] = {}
+        for name, addr in config.dns.records:
+            ip = ipaddress.ip_address(addr)
+            rtype = wire.TYPE_A if ip.version == 4 else wire.TYPE_AAAA
+            self._records.setdefault(wire.encode_name(name), []).append((rtype, ip.packed))
+        me = wire.encode_name(f"{config.node.name}.{config.dns.zone}")
+        self._soa = wire.soa_rdata(me, wire.encode_name(f"hostmaster.{config.dns.zone}"), 1,
+                                   3600, 600, 86400, NEGATIVE_TTL)
+        self._ns = me
+
+    # ------------------------------------------------------------------ local data
+
+    def _name_table(self) -> dict[str, tuple[Any, Any]]:
+        mesh = getattr(self.node, "mesh", None) if self.node is not None else None
+        if mesh is not None:
+            table: dict[str, tuple[Any, Any]] = mesh.name_table()
+            return table
+        n = self.config.node
+        return {n.name: (n.ipv4.ip if n.ipv4 else None, n.ipv6.ip if n.ipv6 else None)}
+
+    def _local(self, q: Query) -> Answer | None:
+        name = q.name
+        zone = self.zone
+        records = self._records.get(name)
+        in_zone = name.endswith(zone) and _label_boundary(name, len(name) - len(zone))
+        if records is None and not in_zone:
+            return None
+        if q.qclass != wire.CLASS_IN:
+            return wire.build_answer(q.question, wire.REFUSED, aa=False) if in_zone else None
+        neg = [(zone, wire.TYPE_SOA, NEGATIVE_TTL, self._soa)] if in_zone else []
+        if records is not None:
+            rr = [(t, RECORD_TTL, rd) for t, rd in records if t == q.qtype]
+            return wire.build_answer(q.question, wire.NOERROR, aa=True, answers=rr,
+                                     authority=[] if rr else neg)
+        if name == zone:
+            if q.qtype == wire.TYPE_SOA:
+                return wire.build_answer(q.question, wire.NOERROR, aa=True,
+                                         answers=[(wire.TYPE_SOA, NEGATIVE_TTL, self._soa)])
+            if q.qtype == wire.TYPE_NS:
+                return wire.build_answer(q.question, wire.NOERROR, aa=True,
+                                         answers=[(wire.TYPE_NS, MESH_TTL, self._ns)])
+            return wire.build_answer(q.question, wire.NOERROR, aa=True, authority=neg)
+        label_len = name[0]
+        if 1 + label_len + len(zone) == len(name):
+            label = name[1 : 1 + label_len].decode("ascii", "replace")
+            for node_name, (v4, v6) in self._name_table().items():
+                if node_name.lower() != label:
+                    continue
+                mrr: list[tuple[int, int, bytes]] = []
+                if q.qtype == wire.TYPE_A and v4 is not None:
+                    mrr.append((wire.TYPE_A, MESH_TTL, v4.packed))
+                elif q.qtype == wire.TYPE_AAAA and v6 is not None:
+                    mrr.append((wire.TYPE_AAAA, MESH_TTL, v6.packed))
+                return wire.build_answer(q.question, wire.NOERROR, aa=True, answers=mrr,
+                                         authority=[] if mrr else neg)
+        return wire.build_answer(q.question, wire.NXDOMAIN, aa=True, authority=neg)
+
+    def lookup(self, q: Query, now: float) -> Answer | None:
+        """Everything answerable without the network; None means ask upstream."""
+        key = (q.name, q.qtype, q.qclass)
+        if now >= self._memo_until or len(self._memo) >= LOCAL_MEMO_MAX:
+            # Local answers are memoised briefly: the mesh's name table is read at most
+            # about once a second per name, and a flood of random names stays bounded.
+            self._memo.clear()
+            self._memo_until = now + LOCAL_MEMO_SECONDS
+        ans = self._memo.get(key)
+        if ans is not None:
+            return ans
+        ans = self._local(q)
+        if ans is not None:
+            self._memo[key] = ans
+            return ans
+        return self.cache.get(key, now)
+
+    # ------------------------------------------------------------------ upstreams
+
+    async def resolve(self, q: Query) -> Answer | None:
+        """Go upstream. None means dropped: too many queries in flight."""
+        key = (q.name, q.qtype, q.qclass)
+        if self.inflight >= self.max_inflight:
+            _overload.inc()
+            rlog.debug("inflight", "dns: %d queries in flight (limits.dns_max_inflight), dropping %s",
+                        self.inflight, wire.decode_name(q.name))
+            return None
+        self.inflight += 1
+        try:
+            fut = self._pending.get(key)
+            if fut is not None:
+                return await asyncio.shield(fut)  # coalesce identical questions
+            fut = asyncio.get_running_loop().create_future()
+            self._pending[key] = fut
+            try:
+                ans = await self._ask_upstreams(q)
+            except Exception as e:  # never let one query's failure escape to a listener
+                rlog.debug("resolve", "dns: resolving %s failed: %r", wire.decode_name(q.name), e)
+                ans = wire.build_answer(q.question, wire.SERVFAIL, aa=False)
+            finally:
+                del self._pending[key]
+            fut.set_result(ans)
+            return ans
+        finally:
+            self.inflight -= 1
+
+    async def _ask_upstreams(self, q: Query) -> Answer:
+        key = (q.name, q.qtype, q.qclass)
+        loop = asyncio.get_running_loop()
+        n = len(self.upstreams)
+        for i in range(n):
+            idx = (self._preferred + i) % n
+            up = self.upstreams[idx]
+            qid = secrets.randbits(16)
+            query = wire.build_query(qid, q.name, q.qtype, q.qclass, do=q.do)
+            _upstream_queries.labels(up.url).inc()
+            try:
+                resp = await up.exchange(query, self.timeout)
+                ans = wire.parse_response(resp, qid, key, loop.time())
+            except TimeoutError:
+                _upstream_errors.labels(up.url, "timeout").inc()
+                rlog.debug(f"up-timeout {up.url}", "dns: upstream %s timed out", up.url)
+                continue
+            except (OSError, ValueError, Exception) as e:
+                reason = "bad_response" if isinstance(e, ValueError) else "error"
+                _upstream_errors.labels(up.url, reason).inc()
+                rlog.debug(f"up-{reason} {up.url}", "dns: upstream %s failed: %r", up.url, e)
+                continue
+            if ans.rcode in (wire.SERVFAIL, wire.REFUSED) and i + 1 < n:
+                continue  # another upstream may do better
+            self._preferred = idx
+            self.cache.put(key, ans)
+            return ans
+        return wire.build_answer(q.question, wire.SERVFAIL, aa=False)
+
+    # ------------------------------------------------------------------ bootstrap adapter
+
+    async def resolve_host(self, name: str) -> list[str]:
+        """A and AAAA for `name` through this pipeline (IPv4 first); [] if none."""
+        try:
+            return [str(ipaddress.ip_address(name.strip("[]")))]
+        except ValueError:
+            pass
+        try:
+            qname = wire.encode_name(name)
+        except (ValueError, UnicodeError):
+            return []
+        loop = asyncio.get_running_loop()
+
+        async def one(qtype: int) -> list[str]:
+            question = qname + qtype.to_bytes(2, "big") + b"\x00\x01"
+            q = Query(0, wire.FLAG_RD, question, qname, qtype, wire.CLASS_IN)
+            ans = self.lookup(q, loop.time())
+            if ans is None:
+                ans = await self.resolve(q)
+            if ans is None or ans.rcode != wire.NOERROR:
+                return []
+            return [str(ipaddress.ip_address(rd)) for _t, rd in wire.answer_addresses(ans)]
+
+        v4, v6 = await asyncio.gather(one(wire.TYPE_A), one(wire.TYPE_AAAA))
+        return v4 + v6
+
+    # ------------------------------------------------------------------ packing
+
+    def buffer(self, size: int) -> Buffer:
+        if self.pooled and size <= BUFFER_CAPACITY:
+            return self.pool.get()
+        return Buffer(max(size, 1024), BUFFER_HEADROOM)  # one-off: pool None, recycle is a no-op
+
+
+def _label_boundary(name: bytes, at: int) -> bool:
+    off = 0
+    while off < at:
+        off += name[off] + 1
+    return off == at
+
+
+# --------------------------------------------------------------------------- listener glue
+
+
+class Frontend:
+    """What every listener does with a query: parse, answer now or later, pack, count.
+
+    `query()` returns a packed Buffer when the answer is known now, None when the
+    query is dropped, or PENDING after scheduling `done(buf, max_age)` for later
+    (`buf` None = dropped). The caller owns the Buffer: it recycles it after a
+    successful write and drops it otherwise.
+    """
+
+    PENDING: Any = object()
+
+    def __init__(self, pipeline: Pipeline, stats: ListenerStats, *, limit: int = wire.MAX_MESSAGE) -> None:
+        self.pipeline = pipeline
+        self.stats = stats
+        self.limit = limit
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.max_age = 0  # of the last immediate answer (DoH cache-control)
+
+    def query(self, data: bytes | bytearray | memoryview, now: float, peer: object, *,
+              limit: int | None = None, pad: bool = False,
+              check: Callable[[Query], None] | None = None, udp: bool = False,
+              done: Callable[[Buffer | None, int], None] | None = None) -> Any:
+        stats = self.stats
+        stats.queries.inc()
+        lim = self.limit if limit is None else limit
+        try:
+            q = wire.parse_query(data)
+        except WireError as e:
+            stats.drop("malformed")
+            rlog.debug(f"{stats.name} drop {peer}", "dns %s: dropped query from %s: %s", stats.name, peer, e)
+            return None
+        except FormError as e:
+            stats.error("formerr" if e.rcode == wire.FORMERR else wire.RCODE_NAMES.get(e.rcode, "error"))
+            rlog.debug(f"{stats.name} bad {peer}", "dns %s: bad query from %s: %s", stats.name, peer, e)
+            buf = self.pipeline.buffer(1024)
+            wire.error_for(buf, e, pad=pad)
+            stats.response(e.rcode)
+            self.max_age = 0
+            return buf
+        if check is not None:
+            check(q)  # transport rules (DoQ ID 0, ...): raises to reject
+        if udp:  # the client's EDNS size, capped to avoid fragmentation (DNS flag day 2020)
+            lim = min(q.udp_size, wire.OUR_UDP_SIZE) if q.edns else 512
+        pad = pad or q.padding
+        ans = self.pipeline.lookup(q, now)
+        if ans is not None:
+            return self._pack(ans, q, now, lim, pad)
+        if done is None:
+            return None
+        task = asyncio.get_running_loop().create_task(self._later(q, lim, pad, done))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return self.PENDING
+
+    def _pack(self, ans: Answer, q: Query, now: float, limit: int, pad: bool) -> Buffer:
+        buf = self.pipeline.buffer(wire.packed_size(ans, q, pad))
+        self.max_age = wire.pack_answer(buf, ans, q, now, limit=limit, pad=pad)
+        self.stats.response(ans.rcode)
+        return buf
+
+    async def _later(self, q: Query, limit: int, pad: bool,
+                     done: Callable[[Buffer | None, int], None]) -> None:
+        ans = await self.pipeline.resolve(q)
+        if ans is None:
+            self.stats.drop("overload")
+            done(None, 0)
+            return
+        now = asyncio.get_running_loop().time()
+        buf = self._pack(ans, q, now, limit, pad)
+        done(buf, self.max_age)
+
+    def close(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()

@@ -1,0 +1,54 @@
+"""Per-listener DNS counters: queries, responses by rcode, drops and errors by reason."""
+
+from __future__ import annotations
+
+from meshgate.dns.wire import RCODE_NAMES
+from meshgate.metrics import REGISTRY, Counter
+
+_queries = REGISTRY.counter("meshgate_dns_queries_total", "DNS queries received", ("listener",))
+_responses = REGISTRY.counter(
+    "meshgate_dns_responses_total", "DNS responses sent, by rcode", ("listener", "rcode")
+)
+_drops = REGISTRY.counter(
+    "meshgate_dns_dropped_total", "DNS queries or connections dropped, by reason", ("listener", "reason")
+)
+_errors = REGISTRY.counter(
+    "meshgate_dns_errors_total", "Bad input and failures on a DNS listener, by reason", ("listener", "reason")
+)
+
+
+class ListenerStats:
+    """Counters for one listener, labelled by its URL (e.g. https://127.0.0.1:8443/dns-query)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queries: Counter = _queries.labels(name)
+        self._responses: dict[int, Counter] = {}
+        self._drops: dict[str, Counter] = {}
+        self._errors: dict[str, Counter] = {}
+
+    def response(self, rcode: int) -> None:
+        c = self._responses.get(rcode)
+        if c is None:
+            c = self._responses[rcode] = _responses.labels(self.name, RCODE_NAMES.get(rcode, str(rcode)))
+        c.inc()
+
+    def drop(self, reason: str) -> None:
+        c = self._drops.get(reason)
+        if c is None:
+            c = self._drops[reason] = _drops.labels(self.name, reason)
+        c.inc()
+
+    def error(self, reason: str) -> None:
+        c = self._errors.get(reason)
+        if c is None:
+            c = self._errors[reason] = _errors.labels(self.name, reason)
+        c.inc()
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "queries": self.queries.value,
+            "responses": {RCODE_NAMES.get(k, str(k)): c.value for k, c in self._responses.items()},
+            "drops": {k: c.value for k, c in self._drops.items()},
+            "errors": {k: c.value for k, c in self._errors.items()},
+        }
