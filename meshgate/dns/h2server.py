@@ -26,7 +26,7 @@ import contextvars
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import h2.config
 import h2.connection
@@ -96,15 +96,16 @@ class H2ServerProtocol(asyncio.Protocol):
     # ------------------------------------------------------------------ connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's TLS transport is no asyncio.Transport subclass: an isinstance
+        # assert here killed every TLS connection under `meshgate run` (uvloop).
+        self.transport = cast(asyncio.Transport, transport)
         self.peer = transport.get_extra_info("peername")
         if len(self.conns) >= self.limits.dns_tcp_max_clients:
             self.stats.drop("max_clients")
             rlog.debug(f"{self.stats.name} max",
                        "doh %s: refusing %s: %d connections (limits.dns_tcp_max_clients)",
                        self.stats.name, self.peer, len(self.conns))
-            transport.abort()
+            self.transport.abort()
             return
         ssl_obj = transport.get_extra_info("ssl_object")
         if ssl_obj is not None and ssl_obj.selected_alpn_protocol() != "h2":
