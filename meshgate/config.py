@@ -181,6 +181,10 @@ class LimitsConfig:
     handshake_timeout: float = 5.0
     link_queue: int = 4096
     route_records: int = 4096
+    mesh_ping_interval: float = 1.0  # link pings (latency, liveness)
+    mesh_dead_after: float = 5.0  # a link silent this long is closed and its routes withdrawn
+    mesh_route_expiry: float = 60.0  # records of unreachable nodes are forgotten after this
+    mesh_link_buffer: int = 4194304  # bytes queued on a link above which datagrams are dropped
     dns_cache_size: int = 10000
     dns_timeout: float = 3.0
     dns_max_inflight: int = 4096

@@ -1,0 +1,416 @@
+"""Sans-I/O link protocol: preface, Noise handshake, sealed records, inner frames.
+
+Wire format (docs/PROTOCOL.md has the full text):
+
+    preface      = MAGIC (4) | VERSION (1) | 0 (1)            each side, once
+    handshake    = u16 length | Noise message                  XXpsk3, 3 messages
+    record       = u32 length | epoch u8 | counter u64 | AEAD(ciphertext+tag)
+    plaintext    = frame*                                       many frames per record
+    frame        = type u8 | flags u8 | hop u8 | 0 | u16 body length | src u32 | dst u32 | body
+
+The record header (length, epoch, counter) is the AEAD's associated data; the
+nonce is `0^32 || counter (LE 64)` as in Noise, sent explicitly so a receiver
+keeps a replay window (64 records) and links that reorder (ring, future
+datagram links) still work. The sender rekeys (Noise REKEY) every
+`rekey_after` records and bumps the epoch; the receiver follows.
+
+`LinkCodec` holds no socket and reads no clock: `receive(data)` consumes
+bytes and calls `on_frame(...)`, `send_frame(...)` / `flush()` produce bytes
+chunks for the adapter to write with one `writelines`.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from meshgate.mesh.noise import HandshakeState, NoiseError, generate_private, rekey_key
+
+MAGIC = b"MGMx"
+VERSION = 1
+PREFACE = MAGIC + bytes((VERSION, 0))
+NOISE_PATTERN = "XXpsk3"
+
+# frame types
+HELLO = 0x01
+PING = 0x02
+PONG = 0x03
+ROUTES = 0x04
+ROUTE_ACK = 0x05
+STREAM_OPEN = 0x10
+STREAM_ACCEPT = 0x11
+STREAM_DATA = 0x12
+STREAM_WINDOW = 0x13
+STREAM_FIN = 0x14
+STREAM_RESET = 0x15
+DATAGRAM = 0x20
+FRAME_NAMES = {
+    HELLO: "hello", PING: "ping", PONG: "pong", ROUTES: "routes", ROUTE_ACK: "route_ack",
+    STREAM_OPEN: "stream_open", STREAM_ACCEPT: "stream_accept", STREAM_DATA: "stream_data",
+    STREAM_WINDOW: "stream_window", STREAM_FIN: "stream_fin", STREAM_RESET: "stream_reset",
+    DATAGRAM: "datagram",
+}
+# Link-local frames are consumed by the neighbour; everything else is routed end to end.
+LINK_LOCAL = frozenset((HELLO, PING, PONG, ROUTES, ROUTE_ACK))
+
+# flags
+FLAG_OPENER = 0x01  # stream frame sent by the side that opened the stream
+FLAG_LATENCY = 0x02  # route this frame by least latency (else least hop)
+
+DEFAULT_HOP_LIMIT = 8
+
+FRAME = struct.Struct("!BBBxHII")
+RECORD = struct.Struct("!IBQ")  # length (of epoch+counter+ciphertext), epoch, counter
+RECORD_EXTRA = RECORD.size - 4  # bytes of the header inside `length`
+TAG = 16
+MAX_PLAINTEXT = 1 << 16
+MAX_BODY = MAX_PLAINTEXT - FRAME.size
+MAX_RECORD = MAX_PLAINTEXT + TAG + RECORD_EXTRA
+REPLAY_WINDOW = 64
+DEFAULT_REKEY_AFTER = 1 << 30  # records per key: far below the 2^64 nonce space
+
+HELLO_BODY = struct.Struct("!IIB")  # node id, session, name length; then name
+U32 = struct.Struct("!I")
+U64 = struct.Struct("!Q")
+
+
+class LinkError(Exception):
+    """The link must close: broken framing, bad preface, failed handshake."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # short, for a counter label
+
+
+def derive_psk(network: str, secret: str) -> bytes:
+    """PSK = HKDF-SHA256(secret, salt=network name, info="meshgate mesh psk v1")."""
+    return HKDF(
+        algorithm=hashes.SHA256(), length=32, salt=network.encode(), info=b"meshgate mesh psk v1"
+    ).derive(secret.encode())
+
+
+def prologue(network: str) -> bytes:
+    return b"meshgate mesh|" + PREFACE + b"|" + network.encode()
+
+
+@dataclass(frozen=True)
+class Hello:
+    node_id: int
+    session: int
+    name: str
+
+
+def encode_hello(h: Hello) -> bytes:
+    name = h.name.encode()[:255]
+    return HELLO_BODY.pack(h.node_id, h.session, len(name)) + name
+
+
+def decode_hello(body: bytes | memoryview) -> Hello:
+    if len(body) < HELLO_BODY.size:
+        raise LinkError("bad_hello", "truncated hello")
+    node_id, session, n = HELLO_BODY.unpack_from(body)
+    if len(body) != HELLO_BODY.size + n:
+        raise LinkError("bad_hello", "bad hello length")
+    return Hello(node_id, session, bytes(body[HELLO_BODY.size :]).decode("utf-8", "replace"))
+
+
+def _nonce(counter: int) -> bytes:
+    return b"\x00\x00\x00\x00" + counter.to_bytes(8, "little")
+
+
+class SendCipher:
+    __slots__ = ("_aead", "counter", "epoch", "key", "rekey_after")
+
+    def __init__(self, key: bytes, rekey_after: int = DEFAULT_REKEY_AFTER) -> None:
+        self.key = key
+        self._aead = ChaCha20Poly1305(key)  # reused: building one per record costs more than sealing
+        self.epoch = 0
+        self.counter = 0
+        self.rekey_after = rekey_after
+
+    def seal(self, plaintext: bytes | bytearray | memoryview) -> tuple[bytes, bytes]:
+        """(header, ciphertext): write both, in order."""
+        if self.counter >= self.rekey_after:
+            self.key = rekey_key(self.key)
+            self._aead = ChaCha20Poly1305(self.key)
+            self.epoch = (self.epoch + 1) & 0xFF
+            self.counter = 0
+        counter = self.counter
+        self.counter = counter + 1
+        header = RECORD.pack(len(plaintext) + TAG + RECORD_EXTRA, self.epoch, counter)
+        return header, self._aead.encrypt(_nonce(counter), plaintext, header)
+
+
+class _Window:
+    """Sliding replay window over record counters of one key epoch."""
+
+    __slots__ = ("bitmap", "highest")
+
+    def __init__(self) -> None:
+        self.highest = -1
+        self.bitmap = 0  # bit i set: counter (highest - i) seen
+
+    def check(self, counter: int) -> bool:
+        if counter > self.highest:
+            return True
+        d = self.highest - counter
+        return d < REPLAY_WINDOW and not (self.bitmap >> d) & 1
+
+    def mark(self, counter: int) -> None:
+        if counter > self.highest:
+            shift = counter - self.highest
+            self.bitmap = ((self.bitmap << shift) | 1) & ((1 << REPLAY_WINDOW) - 1)
+            self.highest = counter
+        else:
+            self.bitmap |= 1 << (self.highest - counter)
+
+
+class RecvCipher:
+    """Opens records; keeps the previous epoch's key for stragglers on reordering links."""
+
+    __slots__ = ("_aead", "_prev", "epoch", "key", "window")
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self._aead = ChaCha20Poly1305(key)
+        self.epoch = 0
+        self.window = _Window()
+        self._prev: tuple[int, ChaCha20Poly1305, _Window] | None = None
+
+    def open(self, header: bytes | memoryview, epoch: int, counter: int, ct: memoryview) -> bytes | None:
+        """Plaintext, or None when replayed/out of window/forged (the caller counts it)."""
+        if epoch == self.epoch:
+            aead, window = self._aead, self.window
+        elif epoch == (self.epoch + 1) & 0xFF:
+            next_key = rekey_key(self.key)
+            aead, window = ChaCha20Poly1305(next_key), _Window()
+            try:
+                plain = aead.decrypt(_nonce(counter), ct, header)
+            except InvalidTag:
+                return None
+            self._prev = (self.epoch, self._aead, self.window)
+            self.key, self._aead, self.epoch, self.window = next_key, aead, epoch, window
+            window.mark(counter)
+            return plain
+        elif self._prev is not None and epoch == self._prev[0]:
+            _, aead, window = self._prev
+        else:
+            return None
+        if not window.check(counter):
+            return None
+        try:
+            plain = aead.decrypt(_nonce(counter), ct, header)
+        except InvalidTag:
+            return None
+        window.mark(counter)
+        return plain
+
+
+FrameHandler = Callable[[int, int, int, int, int, memoryview], None]
+
+
+def iter_frames(plain: bytes, on_frame: FrameHandler) -> int:
+    """Parse a record's plaintext into frames; returns how many were malformed (0 or 1)."""
+    view = memoryview(plain)
+    pos, end = 0, len(plain)
+    unpack = FRAME.unpack_from
+    hsize = FRAME.size
+    while pos < end:
+        if end - pos < hsize:
+            return 1
+        ftype, flags, hop, length, src, dst = unpack(plain, pos)
+        pos += hsize
+        if end - pos < length:
+            return 1
+        on_frame(ftype, flags, hop, src, dst, view[pos : pos + length])
+        pos += length
+    return 0
+
+
+class LinkCodec:
+    """One end of one link. Create, call `start()` and feed bytes.
+
+    Phases: preface+handshake -> established (records). With `hello` given, the
+    HELLO frame is queued as the first frame once the handshake finishes;
+    `on_frame` sees the peer's HELLO like any other frame.
+    """
+
+    def __init__(
+        self,
+        initiator: bool,
+        network: str,
+        psk: bytes,
+        on_frame: FrameHandler,
+        rekey_after: int = DEFAULT_REKEY_AFTER,
+        hello: Hello | None = None,
+    ) -> None:
+        self.initiator = initiator
+        self.hello = hello
+        self.on_frame = on_frame
+        self.rekey_after = rekey_after
+        self._hs: HandshakeState | None = HandshakeState(
+            NOISE_PATTERN, initiator, prologue(network), s=generate_private(), psks=(psk,)
+        )
+        self._buf = bytearray()
+        self._got_preface = False
+        self._out: list[bytes] = []
+        self._pending = bytearray()  # plaintext frames waiting to be sealed
+        self.send: SendCipher | None = None
+        self.recv: RecvCipher | None = None
+        # counters the adapter flushes into metrics
+        self.records_in = 0
+        self.replayed = 0
+        self.forged = 0
+        self.malformed = 0
+
+    @property
+    def established(self) -> bool:
+        return self.send is not None
+
+    def start(self) -> None:
+        if self.initiator:
+            assert self._hs is not None
+            self._out.append(PREFACE + self._hs_msg(self._hs.write_message()))
+
+    @staticmethod
+    def _hs_msg(msg: bytes) -> bytes:
+        return len(msg).to_bytes(2, "big") + msg
+
+    def data_to_send(self) -> list[bytes]:
+        """Chunks for one writelines(); seals any pending frames first."""
+        if self._pending:
+            self._seal_pending()
+        out, self._out = self._out, []
+        return out
+
+    # ----------------------------------------------------------------- receive
+
+    def receive(self, data: bytes | bytearray | memoryview) -> None:
+        """Consume bytes from the link. Raises LinkError when the link must close."""
+        buf = self._buf
+        buf += data
+        if self._hs is not None:
+            self._receive_handshake()
+            if self._hs is not None:
+                return
+        self._receive_records()
+
+    def _receive_handshake(self) -> None:
+        buf = self._buf
+        hs = self._hs
+        assert hs is not None
+        if not self._got_preface:
+            if len(buf) < len(PREFACE):
+                if not MAGIC.startswith(bytes(buf[:4])):
+                    raise LinkError("bad_magic", "not a meshgate link")
+                return
+            if buf[:4] != MAGIC:
+                raise LinkError("bad_magic", "not a meshgate link")
+            if buf[4] != VERSION:
+                raise LinkError("bad_version", f"unsupported protocol version {buf[4]}")
+            del buf[: len(PREFACE)]
+            self._got_preface = True
+        while self._hs is not None and len(buf) >= 2:
+            n = int.from_bytes(buf[:2], "big")
+            if len(buf) < 2 + n:
+                return
+            msg = bytes(buf[2 : 2 + n])
+            del buf[: 2 + n]
+            try:
+                hs.read_message(msg)
+                if not hs.finished:
+                    reply = self._hs_msg(hs.write_message())
+                    self._out.append(reply if self.initiator else PREFACE + reply)
+            except NoiseError:
+                raise LinkError("handshake", "handshake failed") from None
+            if hs.finished:
+                self._finish_handshake(hs)
+
+    def _finish_handshake(self, hs: HandshakeState) -> None:
+        i2r, r2i = hs.split()
+        assert i2r.k is not None and r2i.k is not None
+        send_key, recv_key = (i2r.k, r2i.k) if self.initiator else (r2i.k, i2r.k)
+        self.send = SendCipher(send_key, self.rekey_after)
+        self.recv = RecvCipher(recv_key)
+        self._hs = None
+        if self.hello is not None:
+            # HELLO is the first sealed frame each side sends, before anything the
+            # records that follow in this same read might make us send
+            self.send_frame(HELLO, 0, 1, self.hello.node_id, 0, encode_hello(self.hello))
+
+    def _receive_records(self) -> None:
+        buf = self._buf
+        recv = self.recv
+        assert recv is not None
+        pos, end = 0, len(buf)
+        unpack = RECORD.unpack_from
+        try:
+            while end - pos >= RECORD.size:
+                length, epoch, counter = unpack(buf, pos)
+                if length > MAX_RECORD or length < RECORD_EXTRA + TAG:
+                    raise LinkError("bad_length", f"record length {length} out of range")
+                total = 4 + length
+                if end - pos < total:
+                    break
+                view = memoryview(buf)
+                try:
+                    plain = recv.open(
+                        view[pos : pos + RECORD.size], epoch, counter, view[pos + RECORD.size : pos + total]
+                    )
+                finally:
+                    view.release()
+                pos += total
+                if plain is None:
+                    if recv.window.highest >= counter and epoch == recv.epoch:
+                        self.replayed += 1
+                    else:
+                        self.forged += 1
+                    continue
+                self.records_in += 1
+                self.malformed += iter_frames(plain, self.on_frame)
+        finally:
+            if pos:
+                del buf[:pos]
+
+    # ----------------------------------------------------------------- send
+
+    def send_frame(
+        self,
+        ftype: int,
+        flags: int,
+        hop: int,
+        src: int,
+        dst: int,
+        head: bytes | bytearray | memoryview,
+        data: bytes | bytearray | memoryview = b"",
+    ) -> None:
+        """Queue one frame whose body is head+data (no concatenation copy); it is
+        sealed with the other frames of this batch at `data_to_send()` (one AEAD per batch)."""
+        n = len(head) + len(data)
+        pending = self._pending
+        if len(pending) + FRAME.size + n > MAX_PLAINTEXT:
+            if pending:
+                self._seal_pending()
+                pending = self._pending
+            if FRAME.size + n > MAX_PLAINTEXT:
+                raise ValueError(f"frame body of {n} bytes exceeds {MAX_BODY}")
+        pending += FRAME.pack(ftype, flags, hop, n, src, dst)
+        pending += head
+        if data:
+            pending += data
+
+    def pending_bytes(self) -> int:
+        return len(self._pending)
+
+    def _seal_pending(self) -> None:
+        assert self.send is not None, "send_frame before the handshake finished"
+        header, ct = self.send.seal(self._pending)
+        self._out.append(header)
+        self._out.append(ct)
+        self._pending = bytearray()

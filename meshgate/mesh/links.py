@@ -1,0 +1,173 @@
+"""The asyncio adapter of one link (TCP or ring): bytes in -> LinkCodec -> frames.
+
+Sending is synchronous: `send_frame` appends to the codec's batch and the
+batch is sealed and written with one `writelines` at the end of the loop
+tick. A handshake that does not finish within `limits.handshake_timeout` is
+aborted; the owner (MeshService) handles every established frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+from meshgate.config import LinkUrl
+from meshgate.logs import RateLimitedLog
+from meshgate.mesh import link_tcp
+from meshgate.mesh.frames import (
+    HELLO,
+    Hello,
+    LinkCodec,
+    LinkError,
+    decode_hello,
+)
+
+log = logging.getLogger("meshgate.mesh.links")
+_rlog = RateLimitedLog(log)
+
+
+class LinkOwner(Protocol):
+    node_id: int
+    network: str
+    psk: bytes
+    hello: Hello
+    handshake_timeout: float
+    loop: asyncio.AbstractEventLoop
+
+    def link_ready(self, link: Link) -> bool: ...
+    def link_lost(self, link: Link) -> None: ...
+    def link_failed(self, link: Link, reason: str) -> None: ...
+    def on_frame(
+        self, link: Link, ftype: int, flags: int, hop: int, src: int, dst: int, body: memoryview
+    ) -> None: ...
+
+
+class Link(asyncio.Protocol):
+    def __init__(self, owner: LinkOwner, url: str, initiator: bool) -> None:
+        self.owner = owner
+        self.url = url
+        self.initiator = initiator
+        self.loop = owner.loop
+        self.transport: asyncio.Transport | None = None
+        self.codec = LinkCodec(initiator, owner.network, owner.psk, self._on_frame, hello=owner.hello)
+        self.peer: Hello | None = None  # set when the peer's HELLO arrives
+        self.closed: asyncio.Future[bool] = self.loop.create_future()  # result: was it established
+        self._flush_scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self.last_rx = self.loop.time()
+        self.latency_us = 0  # smoothed ping RTT; 0 = not measured yet
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.bytes_reported = (0, 0)
+        self.write_paused = False
+        self._failed = False
+
+    # ------------------------------------------------------------ asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        link_tcp.tune(transport)
+        if not self.initiator and self.url.startswith("tcp"):
+            peer = transport.get_extra_info("peername")
+            if isinstance(peer, tuple):
+                self.url = str(LinkUrl("tcp", peer[0], peer[1]))
+        self._timer = self.loop.call_later(self.owner.handshake_timeout, self._handshake_timeout)
+        self.codec.start()
+        self._flush()
+
+    def data_received(self, data: bytes) -> None:
+        self.last_rx = self.loop.time()
+        self.bytes_in += len(data)
+        try:
+            self.codec.receive(data)
+        except LinkError as e:
+            self.fail(e.reason, str(e))
+            return
+        if not self._flush_scheduled:
+            self._flush()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.peer is None and not self._failed:
+            # closed by the other side before it said HELLO: a failed handshake from
+            # our point of view (wrong secret or network on one side, or a stray probe)
+            self._failed = True
+            self.owner.link_failed(self, "closed")
+        self.owner.link_lost(self)
+        if not self.closed.done():
+            self.closed.set_result(self.peer is not None)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+
+    # ------------------------------------------------------------ frames
+
+    def _on_frame(self, ftype: int, flags: int, hop: int, src: int, dst: int, body: memoryview) -> None:
+        if self.peer is None:
+            if ftype != HELLO:
+                self.fail("no_hello", "frame before hello")
+                return
+            try:
+                hello = decode_hello(body)
+            except LinkError as e:
+                self.fail(e.reason, str(e))
+                return
+            self.peer = hello
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if not self.owner.link_ready(self):
+                self.peer = None
+                self._failed = True
+                self.close()
+            return
+        self.owner.on_frame(self, ftype, flags, hop, src, dst, body)
+
+    def send_frame(
+        self, ftype: int, flags: int, hop: int, src: int, dst: int, head: Any, data: Any = b""
+    ) -> None:
+        self.codec.send_frame(ftype, flags, hop, src, dst, head, data)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def buffered(self) -> int:
+        t = self.transport
+        return self.codec.pending_bytes() + (t.get_write_buffer_size() if t is not None else 0)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        chunks = self.codec.data_to_send()
+        if chunks and self.transport is not None and not self.transport.is_closing():
+            self.bytes_out += sum(map(len, chunks))
+            self.transport.writelines(chunks)
+
+    # ------------------------------------------------------------ closing
+
+    def _handshake_timeout(self) -> None:
+        self._timer = None
+        if self.peer is None:
+            self.fail("timeout", "handshake timed out")
+
+    def fail(self, reason: str, message: str) -> None:
+        if not self._failed and self.peer is None:
+            self._failed = True
+            self.owner.link_failed(self, reason)
+        _rlog.debug(f"link:{self.url}", "link %s closed: %s", self.url, message)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self._flush()
+            self.transport.close()

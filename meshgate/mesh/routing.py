@@ -1,0 +1,474 @@
+"""Sans-I/O link-state routing: records, anti-entropy sync, graph build, lookup.
+
+Each node originates one `Record` (its addresses, proxy CIDRs, exit offer and
+neighbours with measured latency). Records flood to every neighbour; per
+neighbour the table remembers which version it acknowledged and sends only
+what is newer (anti-entropy). A link coming up resets that neighbour's state,
+so a restarted node (new session) gets everything again. Records of nodes no
+longer reachable expire after `expiry` seconds.
+
+One graph build (edges only where both ends list each other) runs Dijkstra
+twice on the same adjacency: least-hop (ties by latency) and least-latency.
+A record whose content did not change bumps its version but triggers no build.
+
+No sockets, no clock: callers pass `now` (seconds, monotonic) where time matters.
+"""
+
+from __future__ import annotations
+
+import heapq
+import ipaddress
+import logging
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from meshgate.logs import RateLimitedLog
+from meshgate.metrics import REGISTRY
+
+log = logging.getLogger("meshgate.mesh.routing")
+_rlog = RateLimitedLog(log)
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+_dropped = REGISTRY.counter(
+    "meshgate_mesh_route_records_dropped_total", "Route records not stored", ("reason",)
+)
+_duplicates = REGISTRY.counter(
+    "meshgate_mesh_duplicate_total", "Conflicting claims seen in route records", ("kind",)
+)
+_builds = REGISTRY.counter("meshgate_mesh_route_builds_total", "Route graph builds")
+
+UNKNOWN_LATENCY_US = 500_000  # an edge whose latency was never measured costs 500 ms
+
+_HEAD = struct.Struct("!IIQBB")  # origin, session, version, flags, name length
+_NEIGH = struct.Struct("!II")  # neighbour id, latency µs
+_F_EXIT = 0x01
+_F_V4 = 0x02
+_F_V6 = 0x04
+
+
+class RecordError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Record:
+    origin: int
+    session: int
+    version: int
+    name: str = ""
+    ipv4: ipaddress.IPv4Interface | None = None
+    ipv6: ipaddress.IPv6Interface | None = None
+    cidrs: tuple[tuple[IPNetwork, bool], ...] = ()  # (advertised network, is mapped)
+    exit: bool = False
+    neighbours: tuple[tuple[int, int], ...] = ()  # (node id, latency µs), sorted
+
+    def same_content(self, other: Record) -> bool:
+        return (
+            self.name == other.name and self.ipv4 == other.ipv4 and self.ipv6 == other.ipv6
+            and self.cidrs == other.cidrs and self.exit == other.exit and self.neighbours == other.neighbours
+        )
+
+    def encode(self) -> bytes:
+        name = self.name.encode()[:255]
+        flags = (_F_EXIT if self.exit else 0) | (_F_V4 if self.ipv4 else 0) | (_F_V6 if self.ipv6 else 0)
+        out = bytearray(_HEAD.pack(self.origin, self.session, self.version, flags, len(name)))
+        out += name
+        if self.ipv4:
+            out += self.ipv4.ip.packed + bytes((self.ipv4.network.prefixlen,))
+        if self.ipv6:
+            out += self.ipv6.ip.packed + bytes((self.ipv6.network.prefixlen,))
+        out.append(len(self.cidrs))
+        for net, mapped in self.cidrs:
+            out.append((net.version == 6) | (0x02 if mapped else 0))
+            out.append(net.prefixlen)
+            out += net.network_address.packed
+        out += len(self.neighbours).to_bytes(2, "big")
+        for nid, lat in self.neighbours:
+            out += _NEIGH.pack(nid, min(lat, 0xFFFFFFFF))
+        return bytes(out)
+
+
+def decode_record(data: bytes | memoryview, pos: int = 0) -> tuple[Record, int]:
+    """Decode one record at `pos`; returns (record, next pos). Raises RecordError."""
+    try:
+        origin, session, version, flags, n = _HEAD.unpack_from(data, pos)
+        pos += _HEAD.size
+        if pos + n > len(data):
+            raise RecordError("truncated name")
+        name = bytes(data[pos : pos + n]).decode("utf-8", "replace")
+        pos += n
+        ipv4 = ipv6 = None
+        if flags & _F_V4:
+            ipv4 = ipaddress.IPv4Interface((bytes(data[pos : pos + 4]), data[pos + 4]))
+            pos += 5
+        if flags & _F_V6:
+            ipv6 = ipaddress.IPv6Interface((bytes(data[pos : pos + 16]), data[pos + 16]))
+            pos += 17
+        cidrs: list[tuple[IPNetwork, bool]] = []
+        for _ in range(data[pos]):
+            kind, plen = data[pos + 1], data[pos + 2]
+            size = 16 if kind & 1 else 4
+            raw = bytes(data[pos + 3 : pos + 3 + size])
+            if len(raw) != size:
+                raise RecordError("truncated cidr")
+            net: IPNetwork = (
+                ipaddress.IPv6Network((raw, plen)) if size == 16 else ipaddress.IPv4Network((raw, plen))
+            )
+            cidrs.append((net, bool(kind & 0x02)))
+            pos += 2 + size
+        pos += 1
+        count = int.from_bytes(bytes(data[pos : pos + 2]), "big")
+        pos += 2
+        neighbours = []
+        for _ in range(count):
+            neighbours.append(_NEIGH.unpack_from(data, pos))
+            pos += _NEIGH.size
+    except (struct.error, IndexError, ValueError) as e:
+        raise RecordError(f"malformed record: {e}") from None
+    if pos > len(data):
+        raise RecordError("truncated record")
+    return (
+        Record(origin, session, version, name, ipv4, ipv6, tuple(cidrs), bool(flags & _F_EXIT),
+               tuple(sorted(neighbours))),
+        pos,
+    )
+
+
+def encode_records(records: Iterable[Record], max_size: int) -> list[bytes]:
+    """Pack records into bodies of at most `max_size` bytes: u16 count, then records."""
+    bodies: list[bytes] = []
+    cur: list[bytes] = []
+    size = 2
+    for r in records:
+        enc = r.encode()
+        if cur and size + len(enc) > max_size:
+            bodies.append(len(cur).to_bytes(2, "big") + b"".join(cur))
+            cur, size = [], 2
+        cur.append(enc)
+        size += len(enc)
+    if cur:
+        bodies.append(len(cur).to_bytes(2, "big") + b"".join(cur))
+    return bodies
+
+
+def decode_records(body: bytes | memoryview) -> list[Record]:
+    if len(body) < 2:
+        raise RecordError("truncated record list")
+    count = int.from_bytes(bytes(body[:2]), "big")
+    pos, out = 2, []
+    for _ in range(count):
+        rec, pos = decode_record(body, pos)
+        out.append(rec)
+    if pos != len(body):
+        raise RecordError("trailing bytes after records")
+    return out
+
+
+_ACK = struct.Struct("!IQ")
+
+
+def encode_acks(acks: Iterable[tuple[int, int]]) -> bytes:
+    return b"".join(_ACK.pack(o, v) for o, v in acks)
+
+
+def decode_acks(body: bytes | memoryview) -> list[tuple[int, int]]:
+    if len(body) % _ACK.size:
+        raise RecordError("bad ack length")
+    return [_ACK.unpack_from(body, i) for i in range(0, len(body), _ACK.size)]
+
+
+@dataclass(frozen=True)
+class Route:
+    node_id: int
+    name: str
+    kind: str  # "self" | "peer" | "cidr" | "exit"
+    next_hop: int
+    hops: int
+    latency_ms: float
+
+
+@dataclass
+class PathInfo:
+    next_hop: int
+    hops: int
+    latency_us: int
+
+
+@dataclass
+class _NeighbourSync:
+    acked: dict[int, int] = field(default_factory=dict)  # origin -> version
+    sent: dict[int, tuple[int, float]] = field(default_factory=dict)  # origin -> (version, when)
+
+
+class RouteTable:
+    """The link-state database of one node plus the routes built from it."""
+
+    def __init__(
+        self,
+        local: Record,
+        max_records: int = 4096,
+        expiry: float = 60.0,
+        resend_after: float = 3.0,
+        exit_nodes: tuple[str, ...] = (),
+        max_cache: int = 4096,
+    ) -> None:
+        self.local = local
+        self.node_id = local.origin
+        self.max_records = max_records
+        self.expiry = expiry
+        self.resend_after = resend_after
+        self.exit_nodes = exit_nodes
+        self.records: dict[int, Record] = {local.origin: local}
+        self._sync: dict[int, _NeighbourSync] = {}
+        self._unreachable_since: dict[int, float] = {}
+        self.dirty = True
+        self.version = 0  # bumps on every build; lookup caches key on it
+        self.hop_paths: dict[int, PathInfo] = {}
+        self.lat_paths: dict[int, PathInfo] = {}
+        self._exact: dict[IPAddress, int] = {}
+        self._cidrs: list[tuple[IPNetwork, int]] = []  # best first
+        self._own_nets: list[IPNetwork] = []
+        self._cache: dict[IPAddress, Route | None] = {}
+        self._max_cache = max_cache
+        self.build()
+
+    # ------------------------------------------------------------ origination
+
+    def update_local(self, **changes: object) -> bool:
+        """Change the own record; re-originate (version+1) only if content changed."""
+        new = replace(self.local, **changes)  # type: ignore[arg-type]
+        if new.same_content(self.local):
+            return False
+        new = replace(new, version=self.local.version + 1)
+        self.local = new
+        self.records[self.node_id] = new
+        self.dirty = True
+        return True
+
+    # ------------------------------------------------------------ neighbours
+
+    def neighbour_up(self, nid: int) -> None:
+        """A link to `nid` is established: forget what it acknowledged (full resync)."""
+        self._sync[nid] = _NeighbourSync()
+
+    def neighbour_down(self, nid: int) -> None:
+        self._sync.pop(nid, None)
+
+    # ------------------------------------------------------------ sync
+
+    def receive_records(self, from_nid: int, records: Iterable[Record], now: float) -> list[tuple[int, int]]:
+        """Store newer records; returns the acks to send back."""
+        acks: list[tuple[int, int]] = []
+        sync = self._sync.get(from_nid)
+        for rec in records:
+            acks.append((rec.origin, rec.version))
+            if sync is not None and sync.acked.get(rec.origin, -1) < rec.version:
+                sync.acked[rec.origin] = rec.version  # it has this version: never send it back
+            if rec.origin == self.node_id:
+                if rec.session != self.local.session:
+                    _duplicates.labels("node_id").inc()
+                    _rlog.warning(
+                        f"dup:{rec.origin}", "node id %08x is also claimed by another node (%r, via %08x);"
+                        " ignoring its record", rec.origin, rec.name, from_nid,
+                    )
+                continue
+            old = self.records.get(rec.origin)
+            if old is None:
+                if len(self.records) >= self.max_records:
+                    _dropped.labels("table_full").inc()
+                    _rlog.debug(
+                        "full", "route table full (%d records): dropping record of %08x from %08x",
+                        self.max_records, rec.origin, from_nid,
+                    )
+                    continue
+            elif (rec.version, rec.session) <= (old.version, old.session):
+                if old.session != rec.session and rec.version == old.version:
+                    _duplicates.labels("node_id").inc()
+                _dropped.labels("stale").inc()
+                continue
+            self.records[rec.origin] = rec
+            if old is None or not rec.same_content(old):
+                self.dirty = True
+        return acks
+
+    def receive_acks(self, from_nid: int, acks: Iterable[tuple[int, int]]) -> None:
+        sync = self._sync.get(from_nid)
+        if sync is None:
+            return
+        for origin, version in acks:
+            if sync.acked.get(origin, -1) < version:
+                sync.acked[origin] = version
+
+    def records_to_send(self, nid: int, now: float) -> list[Record]:
+        """Records `nid` has not acknowledged (and not been sent recently)."""
+        sync = self._sync.get(nid)
+        if sync is None:
+            return []
+        out = []
+        for origin, rec in self.records.items():
+            if origin == nid or sync.acked.get(origin, -1) >= rec.version:
+                continue
+            sent = sync.sent.get(origin)
+            if sent is not None and sent[0] >= rec.version and now - sent[1] < self.resend_after:
+                continue
+            sync.sent[origin] = (rec.version, now)
+            out.append(rec)
+        return out
+
+    def expire(self, now: float) -> list[int]:
+        """Drop records whose origin has been unreachable for `expiry` seconds."""
+        gone = [o for o, since in self._unreachable_since.items() if now - since >= self.expiry]
+        for origin in gone:
+            del self._unreachable_since[origin]
+            self.records.pop(origin, None)
+            for sync in self._sync.values():
+                sync.acked.pop(origin, None)
+                sync.sent.pop(origin, None)
+        return gone
+
+    def mark_unreachable(self, now: float) -> None:
+        """Start the expiry clock for records not reachable in the current build."""
+        reachable = self.hop_paths
+        for origin in self.records:
+            if origin in reachable:
+                self._unreachable_since.pop(origin, None)
+            else:
+                self._unreachable_since.setdefault(origin, now)
+
+    # ------------------------------------------------------------ graph
+
+    def build(self) -> bool:
+        """Rebuild routes if anything changed; returns True if it did."""
+        if not self.dirty:
+            return False
+        self.dirty = False
+        _builds.inc()
+        recs = self.records
+        me = self.node_id
+        listed = {o: {n for n, _ in r.neighbours} for o, r in recs.items()}
+        adj: dict[int, list[tuple[int, int]]] = {}
+        for o, r in recs.items():
+            edges = []
+            for n, lat in r.neighbours:
+                back = listed.get(n)
+                if back is not None and o in back:
+                    edges.append((n, lat if lat > 0 else UNKNOWN_LATENCY_US))
+            adj[o] = edges
+        self.hop_paths = _dijkstra(adj, me, hop_first=True)
+        self.lat_paths = _dijkstra(adj, me, hop_first=False)
+        self._build_lookup()
+        self.version += 1
+        self._cache.clear()
+        return True
+
+    def _build_lookup(self) -> None:
+        exact: dict[IPAddress, int] = {}
+        reach = self.hop_paths
+        for origin in sorted(reach):  # lowest node id wins a duplicate virtual IP, everywhere
+            rec = self.records[origin]
+            for iface in (rec.ipv4, rec.ipv6):
+                if iface is None:
+                    continue
+                prev = exact.get(iface.ip)
+                if prev is not None:
+                    _duplicates.labels("virtual_ip").inc()
+                    _rlog.warning(
+                        f"dupip:{iface.ip}", "virtual IP %s claimed by %08x and %08x; %08x wins (lowest id)",
+                        iface.ip, prev, origin, prev,
+                    )
+                    continue
+                exact[iface.ip] = origin
+        own = [net for net, _ in self.local.cidrs]
+        cidrs: list[tuple[tuple[int, int, int, int], IPNetwork, int]] = []
+        for origin, path in reach.items():
+            for net, _ in self.records[origin].cidrs:
+                if origin != self.node_id and any(
+                    net.version == o.version and net.subnet_of(o) for o in own  # type: ignore[arg-type]
+                ):
+                    continue  # a remote CIDR inside an own CIDR: the own one serves it
+                # longest prefix first; the own node wins ties, then the nearest, then the lowest id
+                key = (-net.prefixlen, 0 if origin == self.node_id else 1, path.hops, origin)
+                cidrs.append((key, net, origin))
+        cidrs.sort(key=lambda c: c[0])
+        self._exact = exact
+        self._cidrs = [(net, origin) for _, net, origin in cidrs]
+        self._own_nets = [i.network for i in (self.local.ipv4, self.local.ipv6) if i is not None]
+
+    # ------------------------------------------------------------ lookup
+
+    def path(self, node_id: int, latency: bool = False) -> PathInfo | None:
+        return (self.lat_paths if latency else self.hop_paths).get(node_id)
+
+    def _route(self, origin: int, kind: str, latency: bool = False) -> Route | None:
+        p = self.path(origin, latency)
+        if p is None:
+            return None
+        if origin == self.node_id and kind == "peer":
+            kind = "self"
+        return Route(origin, self.records[origin].name, kind, p.next_hop, p.hops, p.latency_us / 1000.0)
+
+    def lookup(self, ip: IPAddress, latency: bool = False) -> Route | None:
+        cache = self._cache
+        if not latency and ip in cache:
+            return cache[ip]
+        route = self._lookup(ip, latency)
+        if not latency:
+            if len(cache) >= self._max_cache:
+                cache.clear()  # bounded: recomputing is cheap
+            cache[ip] = route
+        return route
+
+    def _lookup(self, ip: IPAddress, latency: bool) -> Route | None:
+        origin = self._exact.get(ip)
+        if origin is not None:
+            return self._route(origin, "peer", latency)
+        if any(ip.version == n.version and ip in n for n in self._own_nets):
+            return None  # inside the own virtual subnet but unassigned: nobody serves it
+        for net, origin in self._cidrs:
+            if ip.version == net.version and ip in net:
+                return self._route(origin, "cidr", latency)
+        return self.exit_route(latency)
+
+    def exit_route(self, latency: bool = False) -> Route | None:
+        paths = self.lat_paths if latency else self.hop_paths
+        for ref in self.exit_nodes:
+            if ref == "auto":
+                offers = [
+                    (p.hops, p.latency_us, o) if not latency else (p.latency_us, p.hops, o)
+                    for o, p in paths.items() if self.records[o].exit
+                ]
+                if offers:
+                    return self._route(min(offers)[2], "exit", latency)
+                continue
+            origin = self._exact.get(ipaddress.ip_address(ref))
+            if origin is not None and self.records[origin].exit:
+                return self._route(origin, "exit", latency)
+        return None
+
+    def reachable(self) -> list[int]:
+        return sorted(self.hop_paths)
+
+
+def _dijkstra(adj: dict[int, list[tuple[int, int]]], src: int, hop_first: bool) -> dict[int, PathInfo]:
+    """Shortest paths from `src`. Costs compare as tuples; the last element (the
+    first hop's id) makes equal-cost choices deterministic (lowest next hop)."""
+    out: dict[int, PathInfo] = {}
+    heap: list[tuple[int, int, int, int]] = [(0, 0, src, src)]  # (primary, secondary, next hop, node)
+    while heap:
+        a, b, nh, node = heapq.heappop(heap)
+        if node in out:
+            continue
+        hops, lat = (a, b) if hop_first else (b, a)
+        out[node] = PathInfo(nh, hops, lat)
+        for n, w in adj.get(node, ()):
+            if n in out:
+                continue
+            first = n if node == src else nh
+            if hop_first:
+                heapq.heappush(heap, (hops + 1, lat + w, first, n))
+            else:
+                heapq.heappush(heap, (lat + w, hops + 1, first, n))
+    return out

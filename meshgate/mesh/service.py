@@ -1,0 +1,656 @@
+"""MeshService: links + routing + streams + datagrams, as the rest of meshgate sees them.
+
+`build(node)` makes the service (name "mesh"). The gateway, DNS and admin
+code use: `node_id`, `lookup(ip)`, `open_stream(...)`, `egress_connect`,
+`send_datagram` / `on_datagram`, `name_table()`, `peers()`, `routes()`,
+`status()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import ipaddress
+import logging
+import os
+import random
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from meshgate.config import Config, LinkUrl
+from meshgate.logs import RateLimitedLog
+from meshgate.mesh import link_ring, link_tcp
+from meshgate.mesh.egress import EgressConnect, SplicePipe, error_code, local_connector
+from meshgate.mesh.frames import (
+    DATAGRAM,
+    DEFAULT_HOP_LIMIT,
+    FLAG_LATENCY,
+    FRAME_NAMES,
+    LINK_LOCAL,
+    MAX_BODY,
+    PING,
+    PONG,
+    ROUTE_ACK,
+    ROUTES,
+    STREAM_OPEN,
+    STREAM_RESET,
+    U64,
+    Hello,
+    derive_psk,
+)
+from meshgate.mesh.links import Link
+from meshgate.mesh.routing import (
+    Record,
+    RecordError,
+    Route,
+    RouteTable,
+    decode_acks,
+    decode_records,
+    encode_acks,
+    encode_records,
+)
+from meshgate.mesh.streams import (
+    GENERAL_FAILURE,
+    RESET,
+    TTL_EXPIRED,
+    MeshStream,
+    StreamError,
+    StreamMux,
+)
+from meshgate.metrics import REGISTRY
+
+log = logging.getLogger("meshgate.mesh")
+_rlog = RateLimitedLog(log)
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+DatagramCallback = Callable[[int, bytes], None]
+CHANNEL = struct.Struct("!H")
+
+_handshakes = REGISTRY.counter("meshgate_mesh_handshakes_total", "Link handshakes", ("result",))
+_links_gauge = REGISTRY.gauge("meshgate_mesh_links", "Established mesh links")
+_frames_dropped = REGISTRY.counter("meshgate_mesh_frames_dropped_total", "Mesh frames dropped", ("reason",))
+_records_dropped = REGISTRY.counter(
+    "meshgate_mesh_records_dropped_total", "Sealed link records dropped", ("reason",)
+)
+_link_bytes = REGISTRY.counter(
+    "meshgate_mesh_link_bytes_total", "Bytes on mesh links", ("peer", "direction")
+)
+_datagrams = REGISTRY.counter("meshgate_mesh_datagrams_total", "Mesh datagrams", ("result",))
+_forwarded = REGISTRY.counter("meshgate_mesh_frames_forwarded_total", "Frames relayed for other nodes")
+
+OPEN_TIMEOUT = 10.0
+
+
+def load_node_id(state_dir: Path) -> int:
+    """A stable node id: kept in STATE_DIR/mesh-node-id so a restart keeps its identity."""
+    path = state_dir / "mesh-node-id"
+    try:
+        return int(path.read_text().strip(), 16)
+    except (OSError, ValueError):
+        pass
+    node_id = int.from_bytes(os.urandom(4), "big") or 1
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{node_id:08x}\n")
+    except OSError as e:
+        log.warning("cannot store the mesh node id in %s (%s); it will change on restart", path, e.strerror)
+    return node_id
+
+
+class MeshService:
+    name = "mesh"
+
+    def __init__(self, config: Config, node_id: int | None = None) -> None:
+        self.config = config
+        limits = config.limits
+        self.node_id = node_id if node_id is not None else load_node_id(config.state_path)
+        self.node_id_text = f"{self.node_id:08x}"
+        self.network = config.node.network
+        self.psk = derive_psk(config.node.network, config.node.secret)
+        self.session = int.from_bytes(os.urandom(4), "big")
+        self.hello = Hello(self.node_id, self.session, config.node.name)
+        self.handshake_timeout = limits.handshake_timeout
+        self.ping_interval = limits.mesh_ping_interval
+        self.dead_after = limits.mesh_dead_after
+        self.link_buffer = limits.mesh_link_buffer
+        self.policy_flag = FLAG_LATENCY if config.mesh.policy == "least-latency" else 0
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start()
+        local = Record(
+            origin=self.node_id,
+            session=self.session,
+            version=int(time.time() * 1000),  # a restart starts above every version it sent before
+            name=config.node.name,
+            ipv4=config.node.ipv4,
+            ipv6=config.node.ipv6,
+            cidrs=tuple((c.advertised, c.mapped is not None) for c in config.mesh.proxy_cidrs),
+            exit=config.mesh.exit_node,
+        )
+        self.table = RouteTable(
+            local, max_records=limits.route_records, expiry=limits.mesh_route_expiry,
+            exit_nodes=config.mesh.exit_nodes,
+        )
+        own_ips = {str(i.ip) for i in (config.node.ipv4, config.node.ipv6) if i is not None}
+        self.egress_connect: EgressConnect = local_connector(own_ips, limits.socks5_connect_timeout)
+        self.mux: StreamMux | None = None
+        self.links: dict[int, list[Link]] = {}  # neighbour id -> established links
+        self.pending: set[Link] = set()  # links still in their handshake
+        self._datagram_handlers: dict[int, DatagramCallback] = {}
+        self._servers: list[asyncio.Server] = []
+        self._rings: list[tuple[str, Callable[[], asyncio.Protocol]]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._sync_scheduled = False
+        self._reachable: set[int] = {self.node_id}
+        self.listen_addrs: list[str] = []
+        self.stats: collections.Counter[str] = collections.Counter()  # per-instance, for tests and status
+        self._running = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        from meshgate.node import bind_error
+
+        self.loop = asyncio.get_running_loop()
+        limits = self.config.limits
+        self.mux = StreamMux(self.loop, self.send, limits.stream_window, limits.max_streams_per_peer)
+        self.mux.on_open = self._on_open
+        self._running = True
+        for url in self.config.mesh.listen:
+            if url.scheme == "tcp":
+                try:
+                    server = await link_tcp.listen(url.host, url.port, functools.partial(self._accept, url))
+                except OSError as e:
+                    await self.stop()
+                    raise bind_error("mesh.listen", str(url), e) from None
+                self._servers.append(server)
+                for sock in server.sockets:
+                    host, port = sock.getsockname()[:2]
+                    self.listen_addrs.append(str(LinkUrl("tcp", host, port)))
+            elif url.scheme == "ring":
+                factory = functools.partial(self._accept, url)
+                try:
+                    link_ring.listen(url.host, factory)
+                except OSError as e:
+                    await self.stop()
+                    raise bind_error("mesh.listen", str(url), e) from None
+                self._rings.append((url.host, factory))
+                self.listen_addrs.append(str(url))
+            else:
+                log.warning("mesh.listen: %s links are not implemented yet; skipping %s", url.scheme, url)
+        for url in self.config.mesh.peers:
+            self._spawn(self._keep_peer(url))
+        self._tick_handle = self.loop.call_later(self.ping_interval, self._tick)
+
+    async def stop(self) -> None:
+        self._running = False
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+        for name, factory in self._rings:
+            link_ring.unlisten(name, factory)
+        self._rings.clear()
+        for server in self._servers:
+            server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for links in list(self.links.values()):
+            for link in list(links):
+                link.close()
+        for link in list(self.pending):
+            if link.transport is not None:
+                link.transport.abort()
+        if self.mux is not None:
+            self.mux.close_all()
+        for server in self._servers:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(server.wait_closed(), 2)
+        self._servers.clear()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------------ links
+
+    def _accept(self, url: LinkUrl) -> asyncio.Protocol:
+        link = Link(self, str(url), initiator=False)
+        if len(self.pending) >= self.config.limits.max_pending_handshakes:
+            self.link_failed(link, "too_many_pending")
+            _rlog.debug("pending", "too many pending mesh handshakes (limits.max_pending_handshakes)")
+            self.loop.call_soon(lambda: link.transport.abort() if link.transport else None)
+        else:
+            self.pending.add(link)
+        return link
+
+    async def connect(self, url: LinkUrl) -> Link:
+        """Open one link (returns once connected; the handshake continues in the background)."""
+        link = Link(self, str(url), initiator=True)
+        self.pending.add(link)
+        try:
+            if url.scheme == "tcp":
+                await link_tcp.connect(url.host, url.port, lambda: link, self.handshake_timeout)
+            elif url.scheme == "ring":
+                link_ring.connect(url.host, lambda: link)
+            else:
+                raise OSError(f"{url.scheme} links are not implemented")
+        except BaseException:
+            self.pending.discard(link)
+            raise
+        return link
+
+    async def _keep_peer(self, url: LinkUrl) -> None:
+        """Keep one configured peer connected; jittered exponential backoff between tries."""
+        attempt = 0
+        while self._running:
+            try:
+                link = await self.connect(url)
+                if await link.closed:
+                    attempt = 0
+            except (OSError, TimeoutError) as e:
+                _rlog.debug(f"connect:{url}", "mesh peer %s: connect failed: %s", url, e)
+            delay = min(30.0, 0.25 * (2 ** min(attempt, 8))) * random.uniform(0.75, 1.25)
+            attempt += 1
+            await asyncio.sleep(delay)
+
+    def link_failed(self, link: Link, reason: str) -> None:
+        self.pending.discard(link)
+        self.stats["handshake_failed"] += 1
+        self.stats[f"handshake_failed_{reason}"] += 1
+        _handshakes.labels(f"failed_{reason}").inc()
+        _rlog.debug(f"hs:{link.url}", "mesh handshake with %s failed: %s", link.url, reason)
+
+    def link_ready(self, link: Link) -> bool:
+        self.pending.discard(link)
+        peer = link.peer
+        assert peer is not None
+        if peer.node_id == self.node_id:
+            self.stats["duplicate_node_id"] += 1
+            REGISTRY.counter("meshgate_mesh_duplicate_total", "", ("kind",)).labels("node_id").inc()
+            log.warning("link %s: peer claims our own node id %08x; closing", link.url, peer.node_id)
+            return False
+        if not self._running:
+            return False
+        _handshakes.labels("ok").inc()
+        self.stats["handshake_ok"] += 1
+        links = self.links.setdefault(peer.node_id, [])
+        first = not links
+        links.append(link)
+        _links_gauge.inc()
+        log.info("mesh link up: %s (%s %08x)", link.url, peer.name, peer.node_id)
+        if first:
+            self.table.neighbour_up(peer.node_id)
+        self._send_ping(link)
+        self._update_neighbours()
+        self._schedule_sync()
+        return True
+
+    def link_lost(self, link: Link) -> None:
+        self.pending.discard(link)
+        peer = link.peer
+        if peer is None:
+            return
+        links = self.links.get(peer.node_id)
+        if links and link in links:
+            links.remove(link)
+            _links_gauge.dec()
+            log.info("mesh link down: %s (%s %08x)", link.url, peer.name, peer.node_id)
+            if not links:
+                del self.links[peer.node_id]
+                self.table.neighbour_down(peer.node_id)
+            self._update_neighbours()
+            self._schedule_sync()
+
+    def _best_link(self, nid: int) -> Link | None:
+        links = self.links.get(nid)
+        if not links:
+            return None
+        if len(links) == 1:
+            return links[0]
+        return min(links, key=lambda k: (k.write_paused, k.latency_us or 1 << 40))
+
+    def _update_neighbours(self) -> None:
+        neighbours = []
+        for nid in self.links:
+            best = self._best_link(nid)
+            neighbours.append((nid, best.latency_us if best is not None else 0))
+        if self.table.update_local(neighbours=tuple(sorted(neighbours))):
+            self._schedule_sync()
+
+    # ------------------------------------------------------------------ liveness
+
+    def _send_ping(self, link: Link) -> None:
+        assert link.peer is not None
+        token = U64.pack(int(self.loop.time() * 1e6))
+        link.send_frame(PING, 0, 1, self.node_id, link.peer.node_id, token)
+
+    def _tick(self) -> None:
+        now = self.loop.time()
+        for links in list(self.links.values()):
+            for link in list(links):
+                if now - link.last_rx > self.dead_after:
+                    self.stats["link_dead"] += 1
+                    log.info("mesh link %s silent for %.1fs; closing", link.url, now - link.last_rx)
+                    links.remove(link)  # withdraw now; connection_lost may come later
+                    link.transport.abort() if link.transport is not None else None
+                    self._forget_link(link)
+                    continue
+                self._send_ping(link)
+                self._report_bytes(link)
+        self.table.expire(now)
+        self._sync()
+        if self._running:
+            self._tick_handle = self.loop.call_later(self.ping_interval, self._tick)
+
+    def _forget_link(self, link: Link) -> None:
+        assert link.peer is not None
+        nid = link.peer.node_id
+        _links_gauge.dec()
+        if not self.links.get(nid):
+            self.links.pop(nid, None)
+            self.table.neighbour_down(nid)
+        link.peer = None
+        link._failed = True
+        self._update_neighbours()
+
+    def _report_bytes(self, link: Link) -> None:
+        assert link.peer is not None
+        bin_, bout = link.bytes_reported
+        label = f"{link.peer.node_id:08x}"
+        if link.bytes_in > bin_:
+            _link_bytes.labels(label, "in").inc(link.bytes_in - bin_)
+        if link.bytes_out > bout:
+            _link_bytes.labels(label, "out").inc(link.bytes_out - bout)
+        link.bytes_reported = (link.bytes_in, link.bytes_out)
+
+    def _on_pong(self, link: Link, body: memoryview) -> None:
+        if len(body) != 8:
+            return
+        rtt = max(1, int(self.loop.time() * 1e6) - U64.unpack(body)[0])
+        old = link.latency_us
+        link.latency_us = rtt if old == 0 else (old * 7 + rtt) // 8
+        # re-originate only on a real change, so jitter does not flood the mesh
+        recorded = dict(self.table.local.neighbours).get(link.peer.node_id if link.peer else 0, 0)
+        new = link.latency_us
+        if recorded == 0 or abs(new - recorded) > max(1000, recorded // 4):
+            self._update_neighbours()
+
+    # ------------------------------------------------------------------ routing sync
+
+    def _schedule_sync(self) -> None:
+        if not self._sync_scheduled and self.loop is not None:
+            self._sync_scheduled = True
+            self.loop.call_soon(self._sync)
+
+    def _sync(self) -> None:
+        self._sync_scheduled = False
+        if self.table.build():
+            self.table.mark_unreachable(self.loop.time())
+            reachable = set(self.table.hop_paths)
+            if self.mux is not None:
+                for gone in self._reachable - reachable:
+                    self.mux.drop_peer(gone)
+            self._reachable = reachable
+        now = self.loop.time()
+        for nid in list(self.links):
+            records = self.table.records_to_send(nid, now)
+            if not records:
+                continue
+            link = self._best_link(nid)
+            if link is None:
+                continue
+            for body in encode_records(records, MAX_BODY):
+                link.send_frame(ROUTES, 0, 1, self.node_id, nid, body)
+
+    def _on_routes(self, link: Link, body: memoryview) -> None:
+        assert link.peer is not None
+        try:
+            records = decode_records(body)
+        except RecordError as e:
+            _frames_dropped.labels("bad_routes").inc()
+            _rlog.debug(f"routes:{link.url}", "bad route records from %s: %s", link.url, e)
+            return
+        acks = self.table.receive_records(link.peer.node_id, records, self.loop.time())
+        if acks:
+            link.send_frame(ROUTE_ACK, 0, 1, self.node_id, link.peer.node_id, encode_acks(acks))
+        self._schedule_sync()
+
+    # ------------------------------------------------------------------ frames
+
+    def on_frame(
+        self, link: Link, ftype: int, flags: int, hop: int, src: int, dst: int, body: memoryview
+    ) -> None:
+        if ftype in LINK_LOCAL:
+            if ftype == PING:
+                assert link.peer is not None
+                link.send_frame(PONG, 0, 1, self.node_id, link.peer.node_id, body)
+            elif ftype == PONG:
+                self._on_pong(link, body)
+            elif ftype == ROUTES:
+                self._on_routes(link, body)
+            elif ftype == ROUTE_ACK:
+                try:
+                    acks = decode_acks(body)
+                except RecordError:
+                    _frames_dropped.labels("bad_ack").inc()
+                    return
+                assert link.peer is not None
+                self.table.receive_acks(link.peer.node_id, acks)
+            else:
+                _frames_dropped.labels("unexpected_hello").inc()
+            return
+        if dst == self.node_id:
+            if ftype == DATAGRAM:
+                self._on_datagram(src, body)
+            elif ftype in FRAME_NAMES and self.mux is not None:
+                self.mux.on_frame(ftype, flags, src, body)
+            else:
+                _frames_dropped.labels("unknown_type").inc()
+                _rlog.debug(f"type:{link.url}", "unknown frame type %d from %s", ftype, link.url)
+            return
+        # a frame for another node: relay it
+        if hop <= 1:
+            _frames_dropped.labels("hop_limit").inc()
+            self.stats["hop_limit"] += 1
+            _rlog.debug(f"hop:{src}", "frame %08x->%08x hit the hop limit", src, dst)
+            if ftype == STREAM_OPEN and len(body) >= 4:
+                sid = struct.unpack_from("!I", body)[0]
+                self.send(STREAM_RESET, 0, src, RESET.pack(sid, TTL_EXPIRED), b"")
+            return
+        out = self._route_link(dst, flags)
+        if out is None:
+            _frames_dropped.labels("no_route").inc()
+            _rlog.debug(f"noroute:{dst}", "no route to %08x for a frame from %08x", dst, src)
+            return
+        if ftype == DATAGRAM and out.buffered() > self.link_buffer:
+            _datagrams.labels("dropped_congested").inc()
+            return
+        _forwarded.inc()
+        out.send_frame(ftype, flags, hop - 1, src, dst, body)
+
+    def _route_link(self, dst: int, flags: int) -> Link | None:
+        paths = self.table.lat_paths if flags & FLAG_LATENCY else self.table.hop_paths
+        p = paths.get(dst)
+        if p is None or p.hops == 0:
+            return None
+        return self._best_link(p.next_hop)
+
+    def send(
+        self, ftype: int, flags: int, dst: int, head: bytes, data: bytes | bytearray | memoryview = b""
+    ) -> bool:
+        """Send an end-to-end frame from this node; False if there is no route."""
+        flags |= self.policy_flag
+        link = self._route_link(dst, flags)
+        if link is None:
+            return False
+        link.send_frame(ftype, flags, DEFAULT_HOP_LIMIT, self.node_id, dst, head, data)
+        return True
+
+    # ------------------------------------------------------------------ datagrams
+
+    def send_datagram(self, node_id: int, channel: int, payload: bytes) -> bool:
+        """Unreliable: False when there is no route or the link is congested (dropped, counted)."""
+        if node_id == self.node_id:
+            self.loop.call_soon(self._deliver_datagram, node_id, channel, bytes(payload))
+            return True
+        flags = self.policy_flag
+        link = self._route_link(node_id, flags)
+        if link is None:
+            _datagrams.labels("dropped_no_route").inc()
+            return False
+        if link.buffered() > self.link_buffer:
+            _datagrams.labels("dropped_congested").inc()
+            return False
+        head = CHANNEL.pack(channel)
+        link.send_frame(DATAGRAM, flags, DEFAULT_HOP_LIMIT, self.node_id, node_id, head, payload)
+        return True
+
+    def on_datagram(self, channel: int, callback: DatagramCallback) -> None:
+        self._datagram_handlers[channel] = callback
+
+    def _on_datagram(self, src: int, body: memoryview) -> None:
+        if len(body) < 2:
+            _datagrams.labels("malformed").inc()
+            return
+        self._deliver_datagram(src, CHANNEL.unpack_from(body)[0], bytes(body[2:]))
+
+    def _deliver_datagram(self, src: int, channel: int, payload: bytes) -> None:
+        handler = self._datagram_handlers.get(channel)
+        if handler is None:
+            _datagrams.labels("no_handler").inc()
+            return
+        try:
+            handler(src, payload)
+        except Exception:
+            log.exception("datagram handler for channel %d failed", channel)
+
+    # ------------------------------------------------------------------ streams
+
+    async def open_stream(
+        self, node_id: int, host: str, port: int, protocol_factory: Callable[[], asyncio.BaseProtocol]
+    ) -> tuple[asyncio.BaseTransport, asyncio.BaseProtocol]:
+        """Open a stream to `host:port` leaving the mesh at `node_id`; StreamError on failure."""
+        if node_id == self.node_id:
+            try:
+                return await self.egress_connect(host, port, protocol_factory)
+            except StreamError:
+                raise
+            except Exception as e:
+                raise StreamError(error_code(e), str(e)) from None
+        if self.mux is None:
+            raise StreamError(GENERAL_FAILURE, "mesh not started")
+        stream, fut = self.mux.open(node_id, host, port)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), OPEN_TIMEOUT)
+        except TimeoutError:
+            stream.reset(TTL_EXPIRED, local=True)
+            raise StreamError(TTL_EXPIRED, "stream open timed out") from None
+        except asyncio.CancelledError:
+            stream.reset(GENERAL_FAILURE, local=True)
+            raise
+        protocol = protocol_factory()
+        stream.attach(protocol)
+        return stream, protocol
+
+    def _on_open(self, stream: MeshStream, host: str, port: int) -> None:
+        self._spawn(self._egress(stream, host, port))
+
+    async def _egress(self, stream: MeshStream, host: str, port: int) -> None:
+        assert self.mux is not None
+        to_mesh = SplicePipe(stream)
+        try:
+            transport, _ = await self.egress_connect(host, port, lambda: to_mesh)
+        except Exception as e:
+            code = error_code(e)
+            self.stats[f"egress_failed_{code}"] += 1
+            _rlog.debug(f"egress:{host}", "egress to %s:%d for %08x failed: %s", host, port, stream.peer, e)
+            self.mux.refuse(stream, code)
+            return
+        assert isinstance(transport, asyncio.Transport)
+        if stream.closed:
+            transport.abort()
+            return
+        self.mux.accept(stream)
+        stream.attach(SplicePipe(transport))
+
+    # ------------------------------------------------------------------ queries
+
+    def lookup(self, ip: IPAddress) -> Route | None:
+        return self.table.lookup(ip, latency=bool(self.policy_flag))
+
+    def name_table(self) -> dict[str, tuple[ipaddress.IPv4Address | None, ipaddress.IPv6Address | None]]:
+        out: dict[str, tuple[ipaddress.IPv4Address | None, ipaddress.IPv6Address | None]] = {}
+        for origin in self.table.reachable():  # sorted: the lowest id keeps a duplicated name
+            rec = self.table.records[origin]
+            if rec.name and rec.name not in out:
+                out[rec.name] = (rec.ipv4.ip if rec.ipv4 else None, rec.ipv6.ip if rec.ipv6 else None)
+        return out
+
+    def peers(self) -> list[dict[str, Any]]:
+        out = []
+        for nid, links in sorted(self.links.items()):
+            for link in links:
+                out.append({
+                    "id": f"{nid:08x}",
+                    "name": link.peer.name if link.peer else "",
+                    "url": link.url,
+                    "latency_ms": round(link.latency_us / 1000, 3),
+                    "bytes_in": link.bytes_in,
+                    "bytes_out": link.bytes_out,
+                })
+        return out
+
+    def routes(self) -> list[dict[str, Any]]:
+        out = []
+        t = self.table
+        for origin in t.reachable():
+            rec = t.records[origin]
+            hop, lat = t.hop_paths[origin], t.lat_paths.get(origin)
+            active = lat if self.policy_flag and lat is not None else hop
+
+            def policy(p: Any) -> dict[str, Any] | None:
+                if p is None:
+                    return None
+                return {
+                    "next_hop": f"{p.next_hop:08x}",
+                    "hops": p.hops,
+                    "latency_ms": round(p.latency_us / 1000, 3),
+                }
+
+            out.append({
+                "id": f"{origin:08x}",
+                "name": rec.name,
+                "ipv4": str(rec.ipv4.ip) if rec.ipv4 else None,
+                "ipv6": str(rec.ipv6.ip) if rec.ipv6 else None,
+                "proxy_cidrs": [str(n) for n, _ in rec.cidrs],
+                "exit": rec.exit,
+                "next_hop": f"{active.next_hop:08x}",
+                "hops": active.hops,
+                "latency_ms": round(active.latency_us / 1000, 3),
+                "least_hop": policy(hop),
+                "least_latency": policy(lat),
+            })
+        return out
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "id": self.node_id_text,
+            "listen": ", ".join(self.listen_addrs),
+            "peers": sum(len(v) for v in self.links.values()),
+            "nodes": len(self.table.hop_paths),
+            "streams": len(self.mux) if self.mux is not None else 0,
+            "notes": ["quic:// and udp:// mesh links are not implemented yet"]
+            if any(u.scheme in ("quic", "udp") for u in (*self.config.mesh.listen, *self.config.mesh.peers))
+            else [],
+        }
+
+
+def build(node: Any) -> MeshService:
+    return MeshService(node.config)
