@@ -185,6 +185,8 @@ class LimitsConfig:
     mesh_dead_after: float = 5.0  # a link silent this long is closed and its routes withdrawn
     mesh_route_expiry: float = 60.0  # records of unreachable nodes are forgotten after this
     mesh_link_buffer: int = 4194304  # bytes queued on a link above which datagrams are dropped
+    tun_read_batch: int = 256  # packets read from the TUN device per loop wake-up before yielding
+    tun_write_queue: int = 4096  # mesh packets queued for the TUN device within one loop tick
     dns_cache_size: int = 10000
     dns_timeout: float = 3.0
     dns_max_inflight: int = 4096
