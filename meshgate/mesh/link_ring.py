@@ -144,13 +144,24 @@ class RingTransport(asyncio.Transport):
 
 
 def connect(name: str, factory: ProtocolFactory) -> tuple[RingTransport, asyncio.Protocol]:
-    """Join `factory()`'s protocol to the listener on ring://name (synchronous)."""
+    """Join `factory()`'s protocol to the listener on ring://name (synchronous).
+
+    `ring://NAME?delay=SECONDS` (peers only) delays delivery both ways: tests use
+    it to inject latency on one link."""
+    delay = 0.0
+    name, _, query = name.partition("?")
+    if query.startswith("delay="):
+        try:
+            delay = float(query[6:])
+        except ValueError:
+            raise RingError(22, f"bad ring delay in {query!r}") from None
     server_factory = _LISTENERS.get(name)
     if server_factory is None:
         raise RingError(111, f"nothing listens on ring://{name}")
     loop = asyncio.get_running_loop()
     a, b = RingTransport(loop, name, "client"), RingTransport(loop, name, "server")
     a.peer, b.peer = b, a
+    a.delay = b.delay = delay
     client, server = factory(), server_factory()
     a.protocol, b.protocol = client, server
     server.connection_made(b)

@@ -58,3 +58,52 @@ def converged(nodes: Iterable[MeshService]) -> bool:
 
 async def stop_all(nodes: Iterable[MeshService]) -> None:
     await asyncio.gather(*(n.stop() for n in nodes), return_exceptions=True)
+
+
+class Collector(asyncio.Protocol):
+    """Collects what a stream delivers; `done` resolves with the bytes at EOF or close."""
+
+    def __init__(self, pause: bool = False) -> None:
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.pause = pause
+        self.eof = False
+        self.lost: Exception | None = None
+        self.done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.writable = asyncio.Event()
+        self.writable.set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if self.pause:
+            transport.pause_reading()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        if not self.done.done():
+            self.done.set_result(bytes(self.buf))
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = exc
+        if not self.done.done():
+            self.done.set_result(bytes(self.buf))
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+
+async def write_all(proto: Collector, data: bytes, chunk: int = 256 * 1024) -> None:
+    """Write respecting pause_writing, like a well-behaved application."""
+    assert proto.transport is not None
+    view = memoryview(data)
+    for i in range(0, len(data), chunk):
+        await proto.writable.wait()
+        proto.transport.write(view[i : i + chunk])
