@@ -19,6 +19,7 @@ import contextlib
 import ssl
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import cast
 
 import h2.config
 import h2.connection
@@ -70,12 +71,13 @@ class H2ClientConnection(asyncio.Protocol):
         self.streams: dict[int, _Stream] = {}
         self.closed = False
         self.goaway = False
+        self.received = 0  # data_received calls: tells a dead connection from a slow answer
 
     # ------------------------------------------------------------ asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's TLS transport is not an asyncio.Transport subclass: no isinstance check.
+        self.transport = cast(asyncio.Transport, transport)
         self.conn.initiate_connection()
         self.conn.update_settings({h2.settings.SettingCodes.ENABLE_PUSH: 0})
         self._flush()
@@ -85,6 +87,7 @@ class H2ClientConnection(asyncio.Protocol):
         self._fail_all(H2ClientError("connection_terminated", "connection closed"))
 
     def data_received(self, data: bytes) -> None:
+        self.received += 1
         try:
             events = self.conn.receive_data(data)
         except h2.exceptions.ProtocolError:
@@ -364,11 +367,17 @@ class H2Pool:
         deadline = loop.time() + timeout
         conn = await self._get(addr, port, name, timeout)
         sid, fut = conn.request(method, authority.encode(), path, headers, body)
+        received = conn.received
         try:
             async with asyncio.timeout_at(deadline):
                 return await fut
         except TimeoutError:
             conn.cancel(sid)
+            if conn.received == received:
+                # Not a byte in the whole wait: the peer is gone without a FIN
+                # (host down, middlebox state lost). Retire it so the next
+                # request connects afresh instead of timing out again.
+                conn.close()
             raise H2ClientError("http_response_timeout", "no response before the deadline") from None
         except asyncio.CancelledError:
             conn.cancel(sid)

@@ -235,7 +235,7 @@ class ObliviousMessage:
         return cls(msg_type, bytes(data[3:pos]), bytes(data[pos + 2 :]))
 
 
-def encode_plaintext(dns_message: bytes, padding: int = 0) -> bytes:
+def encode_plaintext(dns_message: bytes | memoryview, padding: int = 0) -> bytes:
     """`ObliviousDoHMessagePlaintext`: u16-length DNS message, u16-length zeros."""
     if len(dns_message) > 0xFFFF or padding > 0xFFFF or padding < 0:
         raise ValueError("DNS message or padding does not fit a u16 length")
@@ -292,7 +292,11 @@ class ResponseContext:
         return ObliviousMessage(RESPONSE, nonce, ct).encode()
 
     def seal_response_into(
-        self, out: memoryview | bytearray, dns_message: bytes, padding: int = 0, nonce: bytes | None = None
+        self,
+        out: memoryview | bytearray,
+        dns_message: bytes | memoryview,
+        padding: int = 0,
+        nonce: bytes | None = None,
     ) -> int:
         """As `seal_response`, written straight into `out` (a pooled buffer's
         memory); returns the bytes written. Raises ValueError if it does not fit."""

@@ -50,7 +50,7 @@ _PATH_OK = re.compile(r"^/[!-~]*$")  # printable ASCII, no spaces or controls
 MAX_TARGETPATH = 1024
 
 
-def proxy_status(error: str | None = None, details: str | None = None, received: int | None = None) -> bytes:
+def proxy_status(error: str | None = None, details: str | None = None, received: int | None = None) -> str:
     """A `Proxy-Status` field value (RFC 9209) for this proxy."""
     out = PROXY_NAME
     if error:
@@ -60,14 +60,18 @@ def proxy_status(error: str | None = None, details: str | None = None, received:
     if details:
         safe = details.replace("\\", "\\\\").replace('"', '\\"')
         out += f'; details="{safe}"'
-    return out.encode("ascii", "replace")
+    return out.encode("ascii", "replace").decode("ascii")
 
 
 @dataclass(frozen=True)
 class ProxyReply:
     status: int
-    headers: list[tuple[bytes, bytes]]
+    headers: list[tuple[str, str]]
     body: bytes
+
+    def response(self) -> tuple[int, list[tuple[str, str]], bytes]:
+        """As the h2server handler returns it."""
+        return (self.status, self.headers, self.body)
 
 
 class ProxyRefusal(Exception):
@@ -80,7 +84,7 @@ class ProxyRefusal(Exception):
     def reply(self) -> ProxyReply:
         return ProxyReply(
             self.status,
-            [(b"proxy-status", proxy_status(self.error, self.details)), (b"cache-control", b"no-store")],
+            [("proxy-status", proxy_status(self.error, self.details)), ("cache-control", "no-store")],
             b"",
         )
 
@@ -177,11 +181,14 @@ class OdohProxy:
         return t.authority.lower() in self.allowed or (t.port == 443 and t.host in self.allowed)
 
     def check(self, t: TargetRef) -> None:
-        """Allow-list and IP-literal rules (before any lookup)."""
-        if self.allowed and not self._listed(t):
-            raise ProxyRefusal(403, "http_request_denied", "target is not in this proxy's allow-list")
+        """Allow-list and IP-literal rules (before any lookup). A target the
+        operator listed by name or address is allowed as listed."""
+        if self._listed(t):
+            return
         if t.ip is not None and not self.allow_ip_targets:
             raise ProxyRefusal(403, "destination_ip_prohibited", "IP literal targets are not allowed")
+        if self.allowed:
+            raise ProxyRefusal(403, "http_request_denied", "target is not in this proxy's allow-list")
 
     async def _address(self, t: TargetRef) -> str:
         if t.ip is not None:
@@ -220,7 +227,7 @@ class OdohProxy:
             rlog.debug(f"refused:{e.error}", "odoh proxy refused a request: %s", e.details)
             reply = e.reply()
             if e.status == 405:
-                reply.headers.append((b"allow", b"POST"))
+                reply.headers.append(("allow", "POST"))
             return reply
         if self.debug_capture is not None:
             self.debug_capture.append(body)
@@ -232,23 +239,23 @@ class OdohProxy:
         except H2ClientError as e:
             _FAILED.inc()
             rlog.debug(f"target:{target.authority}", "odoh proxy: target %s failed: %s", target.authority, e)
-            return ProxyReply(502, [(b"proxy-status", proxy_status(e.kind, str(e)))], b"")
+            return ProxyReply(502, [("proxy-status", proxy_status(e.kind, str(e)))], b"")
         if 300 <= resp.status < 400:
             _FAILED.inc()
             rlog.debug(f"redirect:{target.authority}", "odoh proxy: target %s redirected; not followed",
                        target.authority)
             return ProxyReply(
                 502,
-                [(b"proxy-status", proxy_status("http_protocol_error", "redirect not followed",
-                                                received=resp.status))],
+                [("proxy-status", proxy_status("http_protocol_error", "redirect not followed",
+                                               received=resp.status))],
                 b"",
             )
         _OK.inc()
-        out: list[tuple[bytes, bytes]] = [(b"proxy-status", proxy_status(received=resp.status))]
+        out = [("proxy-status", proxy_status(received=resp.status))]
         ctype = resp.header(b"content-type")
         if ctype is not None:
-            out.append((b"content-type", ctype))
-        out.append((b"cache-control", b"no-store"))
+            out.append(("content-type", ctype.decode("latin-1")))
+        out.append(("cache-control", "no-store"))
         return ProxyReply(resp.status, out, resp.body)
 
     def close(self) -> None:

@@ -158,6 +158,10 @@ def parse_upstream(url: str, verify: bool | str = True) -> Upstream:
         raise ValueError(f"{url!r} is not an upstream URL")
     if scheme == "https":
         return HttpsUpstream(url, verify)
+    if scheme == "odoh":
+        from meshgate.dns.odoh_client import OdohUpstream  # imports this module: load late
+
+        return OdohUpstream(url, verify)
     rest, _, sni = rest.partition("#")
     rest = rest.rstrip("/")
     if scheme == "udp":

@@ -1,0 +1,195 @@
+"""The ODoH listener (`protocol = "odoh"`): target, proxy, or both (`mode = "dual"`).
+
+Runs on the DoH HTTP/2 server (meshgate.dns.h2server) with this routing:
+
+* `GET /.well-known/odohconfigs` (target, dual): the target's current config.
+* `POST <path>?targethost=..&targetpath=..` (proxy, dual): forwarded by the
+  proxy role (meshgate.dns.odoh_proxy). In proxy mode every request to
+  `<path>` is a proxy request; in dual mode the query parameters decide.
+* `POST <path>` with `application/oblivious-dns-message` (target, dual):
+  opened, resolved, sealed (meshgate.dns.odoh_target).
+* With `allow_doh`, plain DoH (GET `?dns=`, POST `application/dns-message`)
+  on the same path, answered by the DoH app over the same pipeline.
+* Anything else at `<path>`: 405 for a method other than POST (GET too,
+  unless `allow_doh`), 415 for another media type; other paths 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+from meshgate.config import DnsListenerConfig, LimitsConfig
+from meshgate.dns import odoh
+from meshgate.dns.certs import ensure_self_signed, server_context
+from meshgate.dns.h2server import H2ServerProtocol, Response, start_h2
+from meshgate.dns.odoh_proxy import OdohProxy
+from meshgate.dns.odoh_target import OdohTarget
+from meshgate.dns.resolver import Pipeline
+from meshgate.dns.stats import ListenerStats
+from meshgate.node import bind_error
+
+log = logging.getLogger("meshgate.dns.odoh")
+
+_TEXT = ("content-type", "text/plain; charset=utf-8")
+
+
+def _error(status: int, text: str, *extra: tuple[str, str]) -> Response:
+    return (status, [_TEXT, ("cache-control", "no-store"), *extra], text.encode())
+
+
+class OdohApp:
+    """The h2server handler for one ODoH listener."""
+
+    def __init__(self, cfg: DnsListenerConfig, limits: LimitsConfig, pipeline: Pipeline,
+                 stats: ListenerStats) -> None:
+        self.path = cfg.path
+        self.mode = cfg.mode
+        self.stats = stats
+        self.target = OdohTarget(cfg, limits, pipeline, stats) if cfg.mode in ("target", "dual") else None
+        self.proxy = OdohProxy(cfg, limits) if cfg.mode in ("proxy", "dual") else None
+        self.doh: Any = None
+        if cfg.allow_doh and self.target is not None:
+            from meshgate.dns.doh import DohApp
+
+            self.doh = DohApp(pipeline, stats, cfg.path)
+
+    def __call__(self, method: str, path: str, headers: list[tuple[str, str]],
+                 body: bytes) -> Response | Awaitable[Response]:
+        where, _, qs = path.partition("?")
+        if where == odoh.CONFIGS_PATH and self.target is not None:
+            if method != "GET":
+                self.stats.error("http_405")
+                return _error(405, "use GET\n", ("allow", "GET"))
+            return self.target.configs()
+        if where != self.path:
+            self.stats.error("http_404")
+            return _error(404, "not found\n")
+        ctype = next((v for k, v in headers if k == "content-type"), None)
+        if ctype is not None:
+            ctype = ctype.split(";")[0].strip().lower()
+        if self.proxy is not None and (self.target is None or "targethost=" in qs):
+            return self._proxied(method, ctype, qs, body)
+        assert self.target is not None
+        if method == "POST" and ctype == odoh.MEDIA_TYPE:
+            return self.target.answer(body)
+        if self.doh is not None:
+            return self.doh(method, path, headers, body)  # type: ignore[no-any-return]
+        if method != "POST":
+            self.stats.error("http_405")
+            return _error(405, "ODoH takes POST only\n", ("allow", "POST"))
+        self.stats.error("http_415")
+        return _error(415, f"content-type must be {odoh.MEDIA_TYPE}\n")
+
+    async def _proxied(self, method: str, ctype: str | None, qs: str, body: bytes) -> Response:
+        assert self.proxy is not None
+        reply = await self.proxy.forward(method, ctype, qs, body)
+        return reply.response()
+
+    def rotate(self) -> None:
+        if self.target is not None:
+            self.target.rotate()
+
+    def close(self) -> None:
+        if self.target is not None:
+            self.target.close()
+        if self.proxy is not None:
+            self.proxy.close()
+
+
+class OdohListener:
+    """A Service for one `protocol = "odoh"` listener."""
+
+    def __init__(self, node: Any, cfg: DnsListenerConfig, pipeline: Pipeline) -> None:
+        self.node = node
+        self.cfg = cfg
+        self.pipeline = pipeline
+        self.limits: LimitsConfig = node.config.limits
+        self.name = f"odoh-{cfg.mode}"
+        self.url = f"https://{cfg.listen}{cfg.path}"
+        self.stats = ListenerStats(f"odoh://{cfg.listen}{cfg.path}")
+        self.app: OdohApp | None = None
+        self.server: asyncio.Server | None = None
+        self.conns: set[H2ServerProtocol] = set()
+        self.timer: asyncio.TimerHandle | None = None
+        self.cert_note: str | None = None
+
+    def _key(self) -> str:
+        try:
+            return f"dns.listener[{self.node.config.dns.listeners.index(self.cfg)}].listen"
+        except (AttributeError, ValueError):
+            return "dns.listener.listen"
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        if cfg.cert and cfg.key:
+            cert, key = cfg.cert, cfg.key
+        else:
+            c, k = ensure_self_signed(self.node.config.state_path)
+            cert, key = str(c), str(k)
+            self.cert_note = f"self-signed certificate {c}"
+        ctx = server_context(cert, key, ["h2"])  # type: ignore[arg-type]
+        self.app = OdohApp(cfg, self.limits, self.pipeline, self.stats)
+        try:
+            self.server, self.conns = await start_h2(
+                self.app, self.stats, self.limits, cfg.listen.host, cfg.listen.port, ctx
+            )
+        except OSError as e:
+            self.app.close()
+            raise bind_error(self._key(), cfg.listen, e) from None
+        if self.app.target is not None and self.app.target.rotation is not None:
+            self._schedule_rotation(self.app.target.rotation)
+
+    def _schedule_rotation(self, period: float) -> None:
+        def rotate() -> None:
+            if self.app is not None:
+                self.app.rotate()
+            self.timer = asyncio.get_running_loop().call_later(period, rotate)
+
+        self.timer = asyncio.get_running_loop().call_later(period, rotate)
+
+    async def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.server is not None:
+            self.server.close()
+            for c in list(self.conns):
+                if c.transport is not None:
+                    c.transport.close()
+            await self.server.wait_closed()
+            self.server = None
+        if self.app is not None:
+            self.app.close()
+
+    async def close(self) -> None:
+        await self.stop()
+
+    @property
+    def port(self) -> int:
+        if self.server is not None and self.server.sockets:
+            return int(self.server.sockets[0].getsockname()[1])
+        return self.cfg.listen.port
+
+    def status(self) -> dict[str, Any]:
+        notes = [f"ODoH {self.cfg.mode}"]
+        app = self.app
+        if app is not None and app.target is not None:
+            kid = app.target.keys.current.key_id[:8].hex()
+            notes.append(f"configs at https://{self.cfg.listen}{odoh.CONFIGS_PATH} (key id {kid}...)")
+            if self.cfg.allow_doh:
+                notes.append("plain DoH on the same path")
+        if app is not None and app.proxy is not None:
+            notes.append(f"proxy URI {self.url}?targethost={{targethost}}&targetpath={{targetpath}}")
+        if self.cert_note:
+            notes.append(self.cert_note)
+        return {"listen": self.url, "notes": notes, "stats": self.stats.snapshot()}
+
+
+async def build_listener(node: Any, listener_cfg: DnsListenerConfig, pipeline: Pipeline) -> OdohListener:
+    """Called by the DNS service for each `protocol = "odoh"` listener: returns it
+    started (its `close()` stops it, `url` names it, `status()` describes it)."""
+    listener = OdohListener(node, listener_cfg, pipeline)
+    await listener.start()
+    return listener
