@@ -114,6 +114,7 @@ class DoqProtocol(QuicConnectionProtocol):
         super().__init__(*args, **kwargs)
         self.streams: dict[int, DoqStreamState] = {}
         self.running: set[int] = set()  # answered later; counted against the cap even if reset
+        self.cancelled: set[int] = set()  # running streams the client reset or stopped
         self.handshake_done = False
         self.closed = False
         self.deadline_timer: asyncio.TimerHandle | None = None
@@ -133,8 +134,12 @@ class DoqProtocol(QuicConnectionProtocol):
         try:
             if isinstance(event, events.StreamDataReceived):
                 self._data(event)
-            elif isinstance(event, events.StreamReset):
+            elif isinstance(event, events.StreamReset | events.StopSendingReceived):
+                # The client gave up on this query: forget its bytes; a running worker's
+                # answer will be dropped (its slot stays counted until the worker ends).
                 self.streams.pop(event.stream_id, None)
+                if event.stream_id in self.running:
+                    self.cancelled.add(event.stream_id)
                 self.stats.error("stream_reset")
             elif isinstance(event, events.HandshakeCompleted):
                 self.handshake_done = True
@@ -206,6 +211,11 @@ class DoqProtocol(QuicConnectionProtocol):
 
     def _answer_later(self, sid: int, buf: Buffer | None) -> None:
         self.running.discard(sid)
+        if sid in self.cancelled:
+            self.cancelled.discard(sid)
+            if buf is not None:
+                buf.drop()  # never written: dropped rather than trusted back into the pool
+            return
         if self.closed:
             if buf is not None:
                 buf.drop()
