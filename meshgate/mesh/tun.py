@@ -1,0 +1,430 @@
+"""The TUN device: the mesh at layer 3 (`[tun] enable = true`).
+
+Packets the kernel routes into the device are read in batches (`loop.add_reader`,
+read until EAGAIN or `limits.tun_read_batch`), routed by destination with
+`node.mesh.lookup(dst)` (virtual IP, proxy CIDR, exit) and sent as mesh
+datagrams on channel `L3_CHANNEL` to the owner node. Datagrams arriving on that
+channel are queued and written to the device once per loop tick. No per-packet
+await anywhere.
+
+Forwarding, NAT and the egress policy beyond the device are the kernel's job,
+set up by meshgate/mesh/tun_routes.py (mapped CIDRs: nftables prefix DNAT, so
+no per-packet rewriting here). Packet rules (TTL, ICMP errors, MTU,
+fragmentation) live in meshgate/mesh/tun_packets.py.
+
+`TunPath` is the data path over any packet file descriptor (a TUN device, or a
+datagram socketpair in tests); `TunService` opens the device, configures
+addresses and routes, and keeps proxy-CIDR routes in step with the mesh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from meshgate.config import Config, IPNetwork
+from meshgate.logs import RateLimitedLog
+from meshgate.mesh import tun_packets as tp
+from meshgate.mesh import tun_routes as tr
+from meshgate.metrics import REGISTRY, LocalCounter
+
+log = logging.getLogger("meshgate.mesh.tun")
+_rlog = RateLimitedLog(log)
+
+L3_CHANNEL = 1  # mesh datagram channel carrying raw IP packets (UDP ASSOCIATE uses another)
+ROUTE_SYNC_INTERVAL = 1.0  # seconds between checks of the mesh route table for proxy-CIDR changes
+READ_SIZE = 65536
+
+_packets = REGISTRY.counter("meshgate_tun_packets_total", "IP packets through the TUN device",
+                            ("direction",))
+_bytes = REGISTRY.counter("meshgate_tun_bytes_total", "Bytes of IP packets through the TUN device",
+                          ("direction",))
+_dropped = REGISTRY.counter("meshgate_tun_dropped_total", "IP packets the TUN path dropped", ("reason",))
+_icmp = REGISTRY.counter("meshgate_tun_icmp_sent_total", "ICMP errors the TUN path generated", ("kind",))
+_routes_gauge = REGISTRY.gauge("meshgate_tun_routes", "Proxy-CIDR routes installed via the TUN device")
+
+_KIND_NAMES = {id(tp.TIME_EXCEEDED): "time_exceeded", id(tp.NO_ROUTE): "no_route",
+               id(tp.TOO_BIG): "too_big", id(tp.ADMIN_PROHIBITED): "admin_prohibited"}
+
+
+class TunPath:
+    """Device <-> mesh packet forwarding over a packet fd (non-blocking). No clock, no awaits."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fd: int,
+        mesh: Any,
+        own4: ipaddress.IPv4Address | None,
+        own6: ipaddress.IPv6Address | None,
+        mtu: int,
+        egress: bool,
+        read_batch: int = 256,
+        write_queue: int = 4096,
+    ) -> None:
+        self.loop = loop
+        self.fd = fd
+        self.mesh = mesh
+        self.own_id: int = mesh.node_id
+        self.own4 = own4.packed if own4 else None
+        self.own6 = own6.packed if own6 else None
+        self.mtu = mtu
+        self.egress = egress
+        self.read_batch = read_batch
+        self.write_queue = write_queue
+        self._out: list[bytes | bytearray] = []
+        self._flush_scheduled = False
+        self._routes: dict[bytes, int] = {}  # dst -> node id (0: no route); cleared on route changes
+        self._routes_version: object = None
+        self._running = False
+        self._out_pkts = LocalCounter(_packets.labels("to_mesh"))
+        self._out_bytes = LocalCounter(_bytes.labels("to_mesh"))
+        self._in_pkts = LocalCounter(_packets.labels("to_device"))
+        self._in_bytes = LocalCounter(_bytes.labels("to_device"))
+
+    def start(self) -> None:
+        os.set_blocking(self.fd, False)
+        self._running = True
+        self.mesh.on_datagram(L3_CHANNEL, self.on_datagram)
+        self.loop.add_reader(self.fd, self.on_readable)
+
+    def stop(self) -> None:
+        self._running = False
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(self.fd)
+        self.mesh.on_datagram(L3_CHANNEL, _ignore)
+        self._out.clear()
+        for c in (self._out_pkts, self._out_bytes, self._in_pkts, self._in_bytes):
+            c.flush()
+
+    # ------------------------------------------------------------ device -> mesh
+
+    def _route_cache(self) -> dict[bytes, int]:
+        table = getattr(self.mesh, "table", None)
+        version = getattr(table, "version", None)
+        if version != self._routes_version or len(self._routes) > 4096:
+            self._routes.clear()  # a new route build (or a bounded cache full): look up again
+            self._routes_version = version
+        return self._routes
+
+    def on_readable(self) -> None:
+        routes = self._route_cache()
+        fd = self.fd
+        n = 0
+        nbytes = 0
+        for _ in range(self.read_batch):
+            try:
+                pkt = os.read(fd, READ_SIZE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                _dropped.labels("read_error").inc()
+                _rlog.debug("read", "tun: read failed: %s", e)
+                break
+            if not pkt:
+                break
+            n += 1
+            nbytes += len(pkt)
+            self._from_device(pkt, routes)
+        self._out_pkts.add(n)
+        self._out_bytes.add(nbytes)
+
+    def _from_device(self, pkt: bytes, routes: dict[bytes, int]) -> None:
+        try:
+            p = tp.parse(pkt)
+        except tp.PacketError as e:
+            _dropped.labels("malformed_" + e.reason).inc()
+            _rlog.debug("malformed-dev", "tun: malformed packet from the device (%s)", e.reason)
+            return
+        dst = p.dst
+        if dst[0] >= 224 if p.version == 4 else dst[0] == 0xFF:
+            # multicast/broadcast (router solicitations, mDNS): the mesh carries unicast only
+            _dropped.labels("multicast").inc()
+            return
+        node = routes.get(dst)
+        if node is None:
+            route = self.mesh.lookup(ipaddress.ip_address(dst))
+            node = route.node_id if route is not None else 0
+            routes[dst] = node
+        if node == 0 or node == self.own_id:
+            # nobody serves it, or the kernel handed us a packet only we could deliver: a loop
+            reason = "no_route" if node == 0 else "own_destination"
+            _dropped.labels(reason).inc()
+            _rlog.debug(f"noroute:{dst.hex()}", "tun: no mesh route to %s (%s)",
+                        ipaddress.ip_address(dst), reason)
+            self._icmp_local(pkt, p, tp.NO_ROUTE)
+            return
+        if p.ttl <= 1:
+            _dropped.labels("ttl_expired").inc()
+            self._icmp_local(pkt, p, tp.TIME_EXCEEDED)
+            return
+        buf = bytearray(pkt)
+        tp.decrement_ttl(buf)  # the mesh is one router hop
+        if p.length > self.mtu:
+            self._too_big(buf, p, node, to_mesh=True)
+            return
+        if not self.mesh.send_datagram(node, L3_CHANNEL, buf):
+            _dropped.labels("mesh_unreachable").inc()
+
+    def _icmp_local(self, pkt: bytes | bytearray, p: tp.Packet, kind: Any, mtu: int = 0) -> None:
+        """An ICMP error from this node to a sender on this side of the device."""
+        src = self.own4 if p.version == 4 else self.own6
+        err = tp.icmp_error(pkt, p, kind, src, mtu) if src is not None else None
+        if err is not None:
+            _icmp.labels(_KIND_NAMES[id(kind)]).inc()
+            self._queue_write(err)
+
+    def _too_big(self, buf: bytes | bytearray, p: tp.Packet, node: int, to_mesh: bool) -> None:
+        """A packet larger than the device MTU: fragment (IPv4 without DF) or answer with ICMP."""
+        if not p.dont_fragment:
+            try:
+                frags = tp.fragment_v4(buf, p, self.mtu)
+            except tp.PacketError as e:
+                _dropped.labels("too_big_" + e.reason).inc()
+                return
+            _dropped.labels("fragmented").inc()  # counted: the original left as several packets
+            for f in frags:
+                if to_mesh:
+                    self.mesh.send_datagram(node, L3_CHANNEL, f)
+                else:
+                    self._queue_write(f)
+            return
+        _dropped.labels("too_big").inc()
+        _rlog.debug(f"toobig:{p.src.hex()}", "tun: %d-byte packet from %s exceeds MTU %d; ICMP sent",
+                    p.length, ipaddress.ip_address(p.src), self.mtu)
+        if to_mesh:
+            self._icmp_local(buf, p, tp.TOO_BIG, self.mtu)
+            return
+        # from the mesh: the sender is behind node `node`; answer it there
+        src = self.own4 if p.version == 4 else self.own6
+        err = tp.icmp_error(buf, p, tp.TOO_BIG, src, self.mtu) if src is not None else None
+        if err is not None:
+            _icmp.labels("too_big").inc()
+            self.mesh.send_datagram(node, L3_CHANNEL, err)
+
+    # ------------------------------------------------------------ mesh -> device
+
+    def on_datagram(self, src_node: int, payload: bytes) -> None:
+        try:
+            p = tp.parse(payload)
+        except tp.PacketError as e:
+            _dropped.labels("malformed_" + e.reason).inc()
+            _rlog.debug(f"malformed:{src_node}", "tun: malformed packet from node %08x (%s)", src_node,
+                        e.reason)
+            return
+        dst = p.dst
+        if not (dst == self.own4 or dst == self.own6 or self.egress):
+            # a node that serves no proxy CIDR and no exit forwards nothing for others
+            _dropped.labels("not_ours").inc()
+            _rlog.debug(f"notours:{src_node}", "tun: node %08x sent a packet for %s, which this node does"
+                        " not serve", src_node, ipaddress.ip_address(dst))
+            return
+        if p.length > self.mtu:
+            self._too_big(payload, p, src_node, to_mesh=False)
+            return
+        self._queue_write(payload)
+
+    def _queue_write(self, pkt: bytes | bytearray) -> None:
+        if len(self._out) >= self.write_queue:
+            _dropped.labels("write_queue_full").inc()
+            _rlog.debug("wq", "tun: write queue full (limits.tun_write_queue = %d)", self.write_queue)
+            return
+        self._out.append(pkt)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Write what this loop tick produced (one write per packet: a TUN takes one packet per write)."""
+        self._flush_scheduled = False
+        out, self._out = self._out, []
+        if not self._running:
+            return
+        fd = self.fd
+        nbytes = 0
+        sent = 0
+        for pkt in out:
+            try:
+                os.write(fd, pkt)
+            except BlockingIOError:
+                _dropped.labels("device_busy").inc()
+                continue
+            except OSError as e:
+                _dropped.labels("write_error").inc()
+                _rlog.debug("write", "tun: write failed: %s", e)
+                continue
+            sent += 1
+            nbytes += len(pkt)
+        self._in_pkts.add(sent)
+        self._in_bytes.add(nbytes)
+
+
+def _ignore(_src: int, _payload: bytes) -> None:
+    _dropped.labels("stopped").inc()
+
+
+# --------------------------------------------------------------------------- the service
+
+
+def remote_cidrs(routes: list[dict[str, Any]], own_id: str, own: list[IPNetwork]) -> set[IPNetwork]:
+    """Proxy CIDRs of reachable other nodes that deserve an OS route via the TUN."""
+    out: set[IPNetwork] = set()
+    for r in routes:
+        if r.get("id") == own_id:
+            continue
+        for text in r.get("proxy_cidrs", ()):
+            try:
+                net = ipaddress.ip_network(text)
+            except ValueError:
+                continue
+            if net.prefixlen == 0:
+                continue  # a default route is what exit_nodes is for (its own table and rules)
+            if any(net.version == o.version and net.subnet_of(o) for o in own):  # type: ignore[arg-type]
+                continue  # our own CIDR serves it
+            out.add(net)
+    return out
+
+
+class TunService:
+    name = "tun"
+
+    def __init__(self, node: Any, opener: Callable[[str], tuple[Any, int]] | None = None) -> None:
+        self.node = node
+        self.cfg: Config = node.config
+        self.tun_name = self.cfg.tun.name
+        self.net = tr.NetConfig(self.cfg.state_path / f"tun-{self.tun_name}.json")
+        self.opener = opener or _open_tun
+        self.device: Any = None
+        self.path: TunPath | None = None
+        self.routes: dict[IPNetwork, tuple[tr.Command, tr.Command]] = {}
+        self.notes: list[str] = []
+        self._sync_task: asyncio.Task[None] | None = None
+        self._sync_version: object = None
+
+    async def start(self) -> None:
+        from meshgate.node import StartupError
+
+        cfg = self.cfg
+        mesh = self.node.mesh
+        if mesh is None:
+            raise StartupError("tun.enable: the TUN device needs the mesh (set node.ipv4 or mesh.peers)")
+        if cfg.node.ipv4 is None and cfg.node.ipv6 is None:
+            raise StartupError("tun.enable: the TUN device needs node.ipv4 or node.ipv6")
+        recovered = await self.net.recover()
+        if recovered:
+            self.notes.append(f"undid {recovered} route/firewall changes left by a previous run")
+        try:
+            self.device, fd = self.opener(self.tun_name)
+        except Exception as e:  # pytun.Error, OSError: no /dev/net/tun, no CAP_NET_ADMIN, name taken
+            raise StartupError(f"tun.name: cannot create TUN device {self.tun_name!r}: {e}") from None
+        try:
+            await self._configure_device()
+            self.path = TunPath(
+                asyncio.get_running_loop(), fd, mesh,
+                cfg.node.ipv4.ip if cfg.node.ipv4 else None, cfg.node.ipv6.ip if cfg.node.ipv6 else None,
+                cfg.tun.mtu, tr.is_egress(cfg), cfg.limits.tun_read_batch, cfg.limits.tun_write_queue,
+            )
+            self.path.start()
+            if tr.is_egress(cfg):
+                for path, value in tr.egress_sysctls(cfg).items():
+                    self.net.set_sysctl(path, value)
+                table = tr.nft_table_name(self.tun_name)
+                await self.net.nft_load(table, tr.egress_ruleset(self.tun_name, cfg))
+            if cfg.mesh.exit_nodes:
+                for do, undo in tr.exit_plan(self.tun_name):
+                    await self.net.apply(do, undo)
+            await self._sync_routes()
+        except BaseException as e:
+            await self.stop()
+            if isinstance(e, tr.NetConfigError | OSError):
+                raise StartupError(f"tun: cannot configure {self.tun_name}: {e}") from None
+            raise
+        self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop())
+
+    async def _configure_device(self) -> None:
+        cfg, t = self.cfg, self.tun_name
+        run = self.net.run
+        steps: list[tr.Command] = [("ip", "link", "set", "dev", t, "mtu", str(cfg.tun.mtu))]
+        if cfg.node.ipv4 is not None:
+            steps.append(("ip", "-4", "addr", "add", str(cfg.node.ipv4), "dev", t))
+        if cfg.node.ipv6 is not None:
+            steps.append(("ip", "-6", "addr", "add", str(cfg.node.ipv6), "dev", t, "nodad"))
+        steps.append(("ip", "link", "set", "dev", t, "up"))
+        for cmd in steps:
+            rc, err = await run(cmd, None)
+            if rc != 0:
+                raise tr.NetConfigError(f"{' '.join(cmd)}: {err}")
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(ROUTE_SYNC_INTERVAL)
+            try:
+                await self._sync_routes()
+            except Exception:
+                log.exception("tun: route sync failed")
+
+    async def _sync_routes(self) -> None:
+        mesh = self.node.mesh
+        version = getattr(getattr(mesh, "table", None), "version", None)
+        if version is not None and version == self._sync_version:
+            return
+        self._sync_version = version
+        own = [c.advertised for c in self.cfg.mesh.proxy_cidrs] + [c.real for c in self.cfg.mesh.proxy_cidrs]
+        want = remote_cidrs(mesh.routes(), mesh.node_id_text, own)
+        for net in sorted(set(self.routes) - want, key=str):
+            _do, undo = self.routes.pop(net)
+            await self.net.revert(undo)
+            log.info("tun: removed route %s (no longer advertised)", net)
+        for net in sorted(want - set(self.routes), key=str):
+            do, undo = tr.cidr_route(self.tun_name, net)
+            try:
+                await self.net.apply(do, undo)
+            except tr.NetConfigError as e:
+                _rlog.warning(f"route:{net}", "tun: cannot route %s via %s: %s", net, self.tun_name, e)
+                continue
+            self.routes[net] = (do, undo)
+            log.info("tun: route %s via %s", net, self.tun_name)
+        _routes_gauge.set(len(self.routes))
+
+    async def stop(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sync_task
+            self._sync_task = None
+        if self.path is not None:
+            self.path.stop()
+            self.path = None
+        await self.net.teardown()
+        self.routes.clear()
+        _routes_gauge.set(0)
+        if self.device is not None:
+            with contextlib.suppress(Exception):
+                self.device.close()
+            self.device = None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "device": self.tun_name,
+            "mtu": self.cfg.tun.mtu,
+            "routes": sorted(str(n) for n in self.routes),
+            "exit": bool(self.cfg.mesh.exit_nodes),
+            "egress": tr.is_egress(self.cfg),
+            "notes": list(self.notes),
+        }
+
+
+def _open_tun(name: str) -> tuple[Any, int]:
+    import pytun  # Linux only; imported here so the module loads anywhere
+
+    dev = pytun.TunTapDevice(name=name, flags=pytun.IFF_TUN | pytun.IFF_NO_PI)
+    return dev, dev.fileno()
+
+
+def build(node: Any) -> TunService:
+    return TunService(node)
