@@ -72,6 +72,7 @@ class H2ClientConnection(asyncio.Protocol):
         self.closed = False
         self.goaway = False
         self.received = 0  # data_received calls: tells a dead connection from a slow answer
+        self.suspect = False  # a request timed out in silence; out of rotation until a PING ack
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -96,7 +97,10 @@ class H2ClientConnection(asyncio.Protocol):
             self.close()
             return
         for ev in events:
-            self._event(ev)
+            # e.g. resetting a stream whose END_STREAM arrived in the same read:
+            # the stream is finished either way; never let it kill the connection.
+            with contextlib.suppress(h2.exceptions.H2Error):
+                self._event(ev)
         self._flush()
 
     # ------------------------------------------------------------ events
@@ -129,6 +133,8 @@ class H2ClientConnection(asyncio.Protocol):
         elif isinstance(ev, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
             for sid in [s for s, st in self.streams.items() if st.to_send is not None]:
                 self._send_body(sid)
+        elif isinstance(ev, h2.events.PingAckReceived):
+            self.suspect = False
         elif isinstance(ev, h2.events.PushedStreamReceived):
             self.conn.reset_stream(ev.pushed_stream_id or 0, ErrorCodes.REFUSED_STREAM)
         elif isinstance(ev, h2.events.ConnectionTerminated):
@@ -143,8 +149,22 @@ class H2ClientConnection(asyncio.Protocol):
     # ------------------------------------------------------------ requests
 
     @property
-    def usable(self) -> bool:
+    def alive(self) -> bool:
         return not self.closed and not self.goaway and self.transport is not None
+
+    @property
+    def usable(self) -> bool:
+        return self.alive and not self.suspect
+
+    def probe(self) -> None:
+        """A request timed out with not a byte from the server meanwhile: take this
+        connection out of rotation and PING; the ack puts it back. A peer that
+        vanished without a FIN never acks, and the pool retires it once idle."""
+        if self.alive and not self.suspect:
+            self.suspect = True
+            with contextlib.suppress(h2.exceptions.H2Error):
+                self.conn.ping(b"meshgate")
+            self._flush()
 
     @property
     def has_capacity(self) -> bool:
@@ -283,12 +303,13 @@ async def connect(
 
 
 class H2Pool:
-    """At most `max_connections` HTTP/2 connections, one per (address, port, name).
+    """At most `max_connections` HTTP/2 connections, shared by (address, port, name).
 
-    A request opens the connection on first use and reuses it afterwards; a
-    connection that closed or got GOAWAY is replaced. When the pool is full the
-    least recently used idle connection is closed; if none is idle the request
-    fails with `connection_limit_reached`.
+    A request reuses a connection to its destination that has a free stream
+    and opens another one only when all of them are busy; a connection that
+    closed or got GOAWAY is forgotten. When the pool is full the least
+    recently used idle connection (to any destination) is closed; if none is
+    idle the request fails with `connection_limit_reached`.
     """
 
     def __init__(
@@ -302,26 +323,35 @@ class H2Pool:
         self.max_connections = max_connections
         self.max_streams = max_streams
         self.max_body = max_body
-        self._conns: OrderedDict[tuple[str, int, str], H2ClientConnection] = OrderedDict()
+        # Most recently used last, so eviction takes the oldest idle one.
+        self._conns: OrderedDict[H2ClientConnection, tuple[str, int, str]] = OrderedDict()
         self._connecting: dict[tuple[str, int, str], asyncio.Future[H2ClientConnection]] = {}
         self.connects = 0  # how many TLS connections were opened (pool reuse is visible in tests)
 
     def __len__(self) -> int:
         return len(self._conns)
 
+    def _reusable(self, key: tuple[str, int, str]) -> H2ClientConnection | None:
+        for c, k in list(self._conns.items()):
+            if not c.alive or (c.suspect and not c.streams):
+                del self._conns[c]
+                c.close()
+            elif k == key and c.usable and c.has_capacity:
+                self._conns.move_to_end(c)
+                return c
+        return None
+
     async def _get(self, addr: str, port: int, name: str, timeout: float) -> H2ClientConnection:
         key = (addr, port, name)
-        conn = self._conns.get(key)
-        if conn is not None and conn.usable and conn.has_capacity:
-            self._conns.move_to_end(key)
-            return conn
-        if conn is not None and conn.usable:
-            raise H2ClientError("connection_limit_reached", "all streams to this target are busy")
+        conn = self._reusable(key)
         if conn is not None:
-            del self._conns[key]
+            return conn
         pending = self._connecting.get(key)
         if pending is not None:
-            return await asyncio.shield(pending)
+            # Someone is already connecting there: share that connection if it has room.
+            conn = await asyncio.shield(pending)
+            if conn.usable and conn.has_capacity:
+                return conn
         self._make_room()
         fut: asyncio.Future[H2ClientConnection] = asyncio.get_running_loop().create_future()
         self._connecting[key] = fut
@@ -332,17 +362,18 @@ class H2Pool:
             fut.exception()  # retrieved: no "never retrieved" warning when nobody else waited
             raise
         finally:
-            self._connecting.pop(key, None)
+            if self._connecting.get(key) is fut:
+                del self._connecting[key]
         self.connects += 1
         fut.set_result(conn)
-        self._conns[key] = conn
+        self._conns[conn] = key
         return conn
 
     def _make_room(self) -> None:
         while len(self._conns) + len(self._connecting) >= self.max_connections:
-            for key, c in self._conns.items():
-                if not c.streams:
-                    del self._conns[key]
+            for c in self._conns:
+                if not c.streams or not c.alive:
+                    del self._conns[c]
                     c.close()
                     break
             else:
@@ -374,16 +405,13 @@ class H2Pool:
         except TimeoutError:
             conn.cancel(sid)
             if conn.received == received:
-                # Not a byte in the whole wait: the peer is gone without a FIN
-                # (host down, middlebox state lost). Retire it so the next
-                # request connects afresh instead of timing out again.
-                conn.close()
+                conn.probe()  # silent the whole wait: maybe gone without a FIN
             raise H2ClientError("http_response_timeout", "no response before the deadline") from None
         except asyncio.CancelledError:
             conn.cancel(sid)
             raise
 
     def close(self) -> None:
-        for c in self._conns.values():
+        for c in self._conns:
             c.close()
         self._conns.clear()
