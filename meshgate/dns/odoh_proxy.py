@@ -29,6 +29,7 @@ from urllib.parse import parse_qs
 from meshgate.config import DnsListenerConfig, LimitsConfig
 from meshgate.dns import odoh
 from meshgate.dns.h2client import H2ClientError, H2Pool, client_ssl_context
+from meshgate.dns.h2server import current_peer
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY
 from meshgate.policy import BUILTIN_DENY, IPAddress
@@ -224,7 +225,9 @@ class OdohProxy:
             addr = await self._address(target)
         except ProxyRefusal as e:
             _REFUSED.inc()
-            rlog.debug(f"refused:{e.error}", "odoh proxy refused a request: %s", e.details)
+            peer = current_peer.get()
+            rlog.debug(f"refused:{e.error}:{peer}", "odoh proxy: refused a request from %s: %s",
+                       peer, e.details)
             reply = e.reply()
             if e.status == 405:
                 reply.headers.append(("allow", "POST"))

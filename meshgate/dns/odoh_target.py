@@ -24,7 +24,7 @@ from collections.abc import Awaitable
 from meshgate.buffers import Buffer, BufferPool
 from meshgate.config import DnsListenerConfig, LimitsConfig
 from meshgate.dns import odoh
-from meshgate.dns.h2server import Response
+from meshgate.dns.h2server import Response, current_peer
 from meshgate.dns.resolver import Frontend, Pipeline
 from meshgate.dns.stats import ListenerStats
 from meshgate.logs import RateLimitedLog
@@ -89,7 +89,10 @@ class OdohTarget:
         except odoh.OdohError as e:
             reason = "unknown_key" if e.status == 401 else "undecryptable"
             self.stats.error(reason)
-            rlog.debug(f"odoh {reason}", "odoh target: rejected a query (%s): %s", e.status, e)
+            # The connection's peer is normally the proxy; logging it ties no question to anyone.
+            peer = current_peer.get()
+            rlog.debug(f"odoh {reason} {peer}", "odoh target: rejected a query from %s (%s): %s",
+                       peer, e.status, e)
             return (e.status, [NO_STORE], b"")
         fut: asyncio.Future[Response] | None = None
 
