@@ -49,6 +49,7 @@ _FAILED = _forwarded.labels("target_error")
 _HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _PATH_OK = re.compile(r"^/[!-~]*$")  # printable ASCII, no spaces or controls
 MAX_TARGETPATH = 1024
+RESOLVED_TTL = 30.0  # seconds a vetted target address is reused before looking the name up again
 
 
 def proxy_status(error: str | None = None, details: str | None = None, received: int | None = None) -> str:
@@ -166,6 +167,11 @@ class OdohProxy:
         self.allow_ip_targets = cfg.allow_ip_targets
         self.allowed = {t.lower().rstrip(".") for t in cfg.targets}
         self.timeout = limits.odoh_proxy_timeout
+        # Vetted addresses of target names: getaddrinfo runs in a thread and
+        # cost more CPU per query than the forwarding itself. As many entries
+        # as pooled connections (one target per connection at most).
+        self._resolved: dict[tuple[str, int], tuple[str, float]] = {}
+        self.max_resolved = limits.odoh_proxy_max_connections
         self.pool = H2Pool(
             client_ssl_context(),
             max_connections=limits.odoh_proxy_max_connections,
@@ -194,6 +200,18 @@ class OdohProxy:
     async def _address(self, t: TargetRef) -> str:
         if t.ip is not None:
             return str(t.ip)
+        loop = asyncio.get_running_loop()
+        key = (t.host, t.port)
+        hit = self._resolved.get(key)
+        if hit is not None and hit[1] > loop.time():
+            return hit[0]
+        addr = await self._lookup(t)
+        if len(self._resolved) >= self.max_resolved:
+            self._resolved.clear()  # bounded: forget everything rather than grow
+        self._resolved[key] = (addr, loop.time() + RESOLVED_TTL)
+        return addr
+
+    async def _lookup(self, t: TargetRef) -> str:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.timeout):
