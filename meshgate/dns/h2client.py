@@ -73,6 +73,7 @@ class H2ClientConnection(asyncio.Protocol):
         self.goaway = False
         self.received = 0  # data_received calls: tells a dead connection from a slow answer
         self.suspect = False  # a request timed out in silence; out of rotation until a PING ack
+        self.flush_scheduled = False
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -203,7 +204,7 @@ class H2ClientConnection(asyncio.Protocol):
         if body:
             st.to_send = memoryview(body)
             self._send_body(sid)
-        self._flush()
+        self._schedule_flush()
         return sid, fut
 
     def cancel(self, sid: int) -> None:
@@ -239,7 +240,14 @@ class H2ClientConnection(asyncio.Protocol):
         for sid in list(self.streams):
             self._finish(sid, exc)
 
+    def _schedule_flush(self) -> None:
+        # Requests started in one loop tick leave in one TLS write.
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
     def _flush(self) -> None:
+        self.flush_scheduled = False
         data = self.conn.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
