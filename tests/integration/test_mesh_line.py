@@ -13,7 +13,15 @@ import pytest
 
 from meshgate.mesh.service import MeshService
 from meshgate.mesh.streams import REFUSED, StreamError
-from meshgate.mesh.testing import Collector, converged, node_config, ring_name, start_node, stop_all, write_all
+from meshgate.mesh.testing import (
+    Collector,
+    converged,
+    node_config,
+    ring_name,
+    start_node,
+    stop_all,
+    write_all,
+)
 from tests.helpers import async_wait_until
 
 A, B, C = 0xA, 0xB, 0xC
@@ -62,7 +70,7 @@ async def _exchange_server() -> tuple[asyncio.Server, int, dict[str, str]]:
 
 
 async def test_routes_converge_through_the_relay(line: list[MeshService]) -> None:
-    a, b, c = line
+    a, _b, c = line
     r = a.lookup(ipaddress.ip_address("10.9.0.3"))
     assert r is not None and (r.node_id, r.kind, r.next_hop, r.hops) == (C, "peer", B, 2)
     assert r.latency_ms > 0
@@ -109,7 +117,7 @@ async def test_refused_port_maps_to_socks_code(line: list[MeshService]) -> None:
 
 async def test_own_virtual_ip_egresses_to_loopback(line: list[MeshService]) -> None:
     a, _, _ = line
-    srv, port, seen = await _exchange_server()
+    srv, port, _seen = await _exchange_server()
     async with srv:
         transport, proto = await a.open_stream(C, "10.9.0.3", port, Collector)
         assert isinstance(proto, Collector)

@@ -43,11 +43,20 @@ def test_vectors_cover_the_mesh_pattern() -> None:
 def test_vector(v: dict[str, Any]) -> None:
     pattern = v["protocol_name"].split("_")[1]
     init = HandshakeState(
-        pattern, True, _h(v, "init_prologue") or b"", s=_h(v, "init_static"), e=_h(v, "init_ephemeral"),
-        rs=_h(v, "init_remote_static"), psks=tuple(bytes.fromhex(p) for p in v.get("init_psks", [])),
+        pattern,
+        True,
+        _h(v, "init_prologue") or b"",
+        s=_h(v, "init_static"),
+        e=_h(v, "init_ephemeral"),
+        rs=_h(v, "init_remote_static"),
+        psks=tuple(bytes.fromhex(p) for p in v.get("init_psks", [])),
     )
     resp = HandshakeState(
-        pattern, False, _h(v, "resp_prologue") or b"", s=_h(v, "resp_static"), e=_h(v, "resp_ephemeral"),
+        pattern,
+        False,
+        _h(v, "resp_prologue") or b"",
+        s=_h(v, "resp_static"),
+        e=_h(v, "resp_ephemeral"),
         psks=tuple(bytes.fromhex(p) for p in v.get("resp_psks", [])),
     )
     ciphers: dict[bool, CipherState] = {}

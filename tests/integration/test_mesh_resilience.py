@@ -1,0 +1,199 @@
+"""Handshake failures, dead links, relays dying, restarts, duplicates, policies."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+
+from meshgate.mesh.link_ring import RingTransport
+from meshgate.mesh.service import MeshService
+from meshgate.mesh.testing import converged, node_config, ring_name, start_node, stop_all
+from meshgate.metrics import REGISTRY
+from tests.helpers import async_wait_until
+
+ip = ipaddress.ip_address
+
+
+async def test_wrong_secret_and_wrong_network_fail_on_both_sides() -> None:
+    hub = await start_node(node_config("hub", "10.9.0.1/24", listen=["tcp://127.0.0.1:0"]), 1)
+    url = hub.listen_addrs[0]
+    good = await start_node(node_config("good", "10.9.0.2/24", peers=[url]), 2)
+    bad_secret = await start_node(node_config("bad1", "10.9.0.3/24", peers=[url], secret="wrong secret!"), 3)
+    bad_net = await start_node(node_config("bad2", "10.9.0.4/24", peers=[url], network="othernet"), 4)
+    nodes = [hub, good, bad_secret, bad_net]
+    try:
+        await async_wait_until(lambda: converged([hub, good]), 10, "good node")
+        await async_wait_until(
+            lambda: (
+                bad_secret.stats["handshake_failed"] >= 1
+                and bad_net.stats["handshake_failed"] >= 1
+                and hub.stats["handshake_failed_handshake"] >= 2
+            ),
+            10,
+            "failures counted on both sides",
+        )
+        assert hub.stats["handshake_ok"] >= 1
+        # nothing learned: no routes, names or links either way
+        for bad in (bad_secret, bad_net):
+            assert set(bad.table.records) == {bad.node_id}
+            assert bad.links == {} and bad.name_table() == {
+                bad.config.node.name: (bad.config.node.ipv4.ip, None)
+            }  # type: ignore[union-attr]
+        assert set(hub.table.records) == {1, 2} and set(good.table.records) == {1, 2}
+        assert hub.lookup(ip("10.9.0.3")) is None and good.lookup(ip("10.9.0.4")) is None
+        assert REGISTRY.value("meshgate_mesh_handshakes_total", "failed_handshake") >= 2
+    finally:
+        await stop_all(nodes)
+
+
+async def test_stalled_handshake_times_out_and_pending_is_bounded() -> None:
+    limits = {"handshake_timeout": 0.3, "max_pending_handshakes": 2}
+    hub = await start_node(node_config("hub", listen=["tcp://127.0.0.1:0"], limits=limits), 1)
+    host, port = hub.listen_addrs[0].removeprefix("tcp://").rsplit(":", 1)
+    conns = [await asyncio.open_connection(host, int(port)) for _ in range(4)]
+    try:
+        await async_wait_until(
+            lambda: hub.stats["handshake_failed_too_many_pending"] >= 2, 5, "pending bound"
+        )
+        await async_wait_until(lambda: hub.stats["handshake_failed_timeout"] >= 2, 5, "handshake timeout")
+        for r, _ in conns:  # every silent client was closed, and got not a single byte
+            assert await asyncio.wait_for(r.read(), 5) == b""
+        assert not hub.pending
+    finally:
+        for _, w in conns:
+            w.close()
+        await stop_all([hub])
+
+
+async def test_silent_link_is_declared_dead_and_routes_withdrawn_within_10s() -> None:
+    r = ring_name()
+    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"]), 1)
+    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r}"]), 2)
+    try:
+        await async_wait_until(lambda: converged([a, b]), 10, "routes")
+        link = a.links[2][0]
+        assert isinstance(link.transport, RingTransport)
+        # the wire goes silent both ways (no FIN, no RST): only the ping timeout can notice
+        link.transport.blackhole = True
+        assert link.transport.peer is not None
+        link.transport.peer.blackhole = True
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await async_wait_until(lambda: a.lookup(ip("10.9.0.2")) is None, 10, "route withdrawn")
+        assert loop.time() - t0 < 10
+        assert a.stats["link_dead"] == 1
+        # b keeps reconnecting with backoff and the mesh heals
+        await async_wait_until(lambda: converged([a, b]), 10, "reconnect")
+    finally:
+        await stop_all([a, b])
+
+
+async def _square() -> tuple[list[MeshService], list[str]]:
+    """A-B-C and A-D-C: two equal-hop paths from A to C."""
+    rings = [ring_name() for _ in range(4)]
+    a = await start_node(
+        node_config("a", "10.9.0.1/24", listen=[f"ring://{rings[0]}", f"ring://{rings[1]}"]), 1
+    )
+    b = await start_node(
+        node_config("b", "10.9.0.2/24", peers=[f"ring://{rings[0]}"], listen=[f"ring://{rings[2]}"]), 2
+    )
+    d = await start_node(
+        node_config("d", "10.9.0.4/24", peers=[f"ring://{rings[1]}"], listen=[f"ring://{rings[3]}"]), 4
+    )
+    c = await start_node(
+        node_config("c", "10.9.0.3/24", peers=[f"ring://{rings[2]}", f"ring://{rings[3]}"]), 3
+    )
+    nodes = [a, b, c, d]
+    await async_wait_until(lambda: converged(nodes), 10, "square")
+    return nodes, rings
+
+
+async def test_killing_a_relay_reroutes() -> None:
+    nodes, _ = await _square()
+    a, b, c, d = nodes
+    try:
+        r = a.lookup(ip("10.9.0.3"))
+        assert r is not None and r.next_hop in (2, 4) and r.hops == 2
+        relay, other = (b, d) if r.next_hop == 2 else (d, b)
+        await relay.stop()
+        await async_wait_until(
+            lambda: (x := a.lookup(ip("10.9.0.3"))) is not None and x.next_hop == other.node_id, 10, "reroute"
+        )
+        got: list[bytes] = []
+        c.on_datagram(1, lambda src, p: got.append(p))
+        assert a.send_datagram(3, 1, b"after reroute")
+        await async_wait_until(lambda: got == [b"after reroute"], 5, "datagram via the other relay")
+        assert a.lookup(relay.config.node.ipv4.ip) is None  # type: ignore[union-attr]
+    finally:
+        await stop_all(nodes)
+
+
+async def test_restarted_node_resyncs_fully() -> None:
+    r = ring_name()
+    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"]), 1)
+    c1 = await start_node(node_config("c", "10.9.0.3/24", peers=[f"ring://{r}"]), 3)
+    try:
+        await async_wait_until(lambda: converged([a, c1]), 10, "first life")
+        old_session = a.table.records[3].session
+        await c1.stop()
+        await async_wait_until(lambda: a.lookup(ip("10.9.0.3")) is None, 10, "c gone")
+        # same node id, new session, new address
+        c2 = await start_node(node_config("c", "10.9.0.33/24", peers=[f"ring://{r}"]), 3)
+        try:
+            await async_wait_until(lambda: converged([a, c2]), 10, "second life")
+            assert a.table.records[3].session == c2.session != old_session
+            await async_wait_until(lambda: a.lookup(ip("10.9.0.33")) is not None, 5, "new record")
+            assert a.lookup(ip("10.9.0.3")) is None
+            assert c2.table.records[1] == a.table.local  # c2 started empty and got a's record again
+        finally:
+            await c2.stop()
+    finally:
+        await stop_all([a, c1])
+
+
+async def test_duplicate_virtual_ip_has_one_winner_everywhere() -> None:
+    r1, r2 = ring_name(), ring_name()
+    hub = await start_node(node_config("hub", "10.9.0.1/24", listen=[f"ring://{r1}", f"ring://{r2}"]), 5)
+    x = await start_node(node_config("x", "10.9.0.9/24", peers=[f"ring://{r1}"]), 9)
+    y = await start_node(node_config("y", "10.9.0.9/24", peers=[f"ring://{r2}"]), 7)
+    nodes = [hub, x, y]
+    try:
+        await async_wait_until(lambda: converged(nodes), 10, "routes")
+        for n in nodes:
+            route = n.lookup(ip("10.9.0.9"))
+            assert route is not None and route.node_id == 7  # the lowest node id, on every node
+        assert REGISTRY.value("meshgate_mesh_duplicate_total", "virtual_ip") >= 1
+    finally:
+        await stop_all(nodes)
+
+
+async def test_least_hop_and_least_latency_choose_different_paths() -> None:
+    r1, r2, r3 = ring_name(), ring_name(), ring_name()
+    a = await start_node(
+        node_config("a", "10.9.0.1/24", listen=[f"ring://{r1}", f"ring://{r3}"], policy="least-latency"), 1
+    )
+    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r1}"], listen=[f"ring://{r2}"]), 2)
+    # the direct a-c link is slow: 25 ms each way
+    c = await start_node(
+        node_config("c", "10.9.0.3/24", peers=[f"ring://{r2}", f"ring://{r3}?delay=0.025"]), 3
+    )
+    nodes = [a, b, c]
+    try:
+        await async_wait_until(lambda: converged(nodes), 10, "routes")
+        # wait for the direct link, then for its measured latency to reach the records
+        await async_wait_until(lambda: (p := a.table.hop_paths.get(3)) is not None and p.hops == 1, 10, "a-c")
+        await async_wait_until(
+            lambda: (p := a.table.lat_paths.get(3)) is not None and p.next_hop == 2, 10, "latency measured"
+        )
+        hop = a.table.hop_paths[3]
+        assert (hop.next_hop, hop.hops) == (3, 1)
+        assert a.table.lat_paths[3].hops == 2
+        route = a.lookup(ip("10.9.0.3"))  # a's policy is least-latency
+        assert route is not None and route.next_hop == 2 and route.hops == 2
+        got: list[bytes] = []
+        c.on_datagram(2, lambda src, p: got.append(p))
+        a.send_datagram(3, 2, b"fast path")
+        await async_wait_until(lambda: got == [b"fast path"], 5, "datagram")
+        assert b.stats is not None
+    finally:
+        await stop_all(nodes)
