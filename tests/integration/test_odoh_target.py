@@ -113,8 +113,9 @@ async def test_rotation_overlap_and_expiry(tmp_path: Path) -> None:
 async def test_seeded_key_is_stable_and_matches_odoh_go(tmp_path: Path) -> None:
     import json
 
-    vec = json.loads((Path(__file__).resolve().parents[3] / "shared" / "vectors" /
-                      "odoh_odoh-go_test-vectors.json").read_text())[0]
+    from tests.unit.test_odoh_vectors import VECTORS
+
+    vec = json.loads((VECTORS / "odoh_odoh-go_test-vectors.json").read_text())[0]
     listener, cert = await _start(tmp_path, mode="target", key_seed=vec["public_key_seed"])
     try:
         conn = await _conn(listener, cert)
