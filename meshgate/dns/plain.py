@@ -87,7 +87,7 @@ class StreamDnsProtocol(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
         self.transport = transport
         self.peer = transport.get_extra_info("peername")
         if len(self.conns) >= self.limits.dns_tcp_max_clients:

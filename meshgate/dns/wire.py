@@ -396,6 +396,7 @@ def parse_response(wire: bytes | bytearray | memoryview, query_id: int | None, k
     else:
         ttl = 0  # SERVFAIL, REFUSED, negative without SOA: not cached
     _U16.pack_into(buf, 0, 0)
+    _U16.pack_into(buf, 2, flags | FLAG_RA)  # we recurse for our clients
     return Answer(bytes(buf), tuple(offsets), tuple(ttls), ttl, rcode, now, True)
 
 
