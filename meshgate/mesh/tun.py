@@ -24,6 +24,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -336,7 +337,7 @@ class TunService:
                 table = tr.nft_table_name(self.tun_name)
                 await self.net.nft_load(table, tr.egress_ruleset(self.tun_name, cfg))
             if cfg.mesh.exit_nodes:
-                for do, undo in tr.exit_plan(self.tun_name):
+                for do, undo in tr.exit_plan(self.tun_name, await _peer_addresses(cfg)):
                     await self.net.apply(do, undo)
             await self._sync_routes()
         except BaseException as e:
@@ -417,6 +418,22 @@ class TunService:
             "egress": tr.is_egress(self.cfg),
             "notes": list(self.notes),
         }
+
+
+async def _peer_addresses(cfg: Config) -> list[str]:
+    """IP addresses of the configured mesh peers (names resolved once, at start)."""
+    loop = asyncio.get_running_loop()
+    out: list[str] = []
+    for url in cfg.mesh.peers:
+        if url.scheme == "ring":
+            continue
+        try:
+            infos = await loop.getaddrinfo(url.host, url.port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            log.warning("tun: cannot resolve mesh peer %s (%s); it gets no bypass rule", url.host, e)
+            continue
+        out.extend(str(info[4][0]) for info in infos)
+    return out
 
 
 def _open_tun(name: str) -> tuple[Any, int]:

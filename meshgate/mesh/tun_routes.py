@@ -12,7 +12,9 @@ read it back with the same tools):
   the host wins over the tunnel) and `priority 5220 not fwmark 0x4d47 lookup
   19783`. Link sockets marked with `LINK_FWMARK` (`mark_socket`) skip the
   tunnel table, so the node's own mesh links still leave by the physical
-  interface and the tunnel never swallows itself.
+  interface and the tunnel never swallows itself. Configured peers' addresses
+  also get `priority 5200 to PEER lookup main`, so outbound links stay out even
+  if a socket were not marked.
 * **Egress** (a node with `mesh.proxy_cidrs` or `mesh.exit_node`): forwarding
   sysctls, and one nftables table `inet meshgate_<tun>`: mapped CIDRs are
   translated by `dnat ip prefix to` (conntrack reverses the reply, so the
@@ -53,6 +55,7 @@ LINK_FWMARK = 0x4D47  # "MG": mesh link sockets carry it and bypass the exit tab
 ROUTE_TABLE = 0x4D47  # 19783: the exit default routes live here
 ROUTE_PROTO = 77  # `proto 77` tags every route meshgate adds, for `ip route show proto 77`
 ROUTE_METRIC = 4096
+RULE_PRIO_PEERS = 5200
 RULE_PRIO_SUPPRESS = 5210
 RULE_PRIO_EXIT = 5220
 CT_MARK = 0x4D470000  # conntrack mark bit for "arrived from the TUN": masquerade on the way out
@@ -91,10 +94,19 @@ def cidr_route(tun: str, net: IPNetwork) -> tuple[Command, Command]:
     return ("ip", _fam(net), "route", "add", *spec), ("ip", _fam(net), "route", "del", *spec)
 
 
-def exit_plan(tun: str) -> list[tuple[Command, Command]]:
-    """Default routes via the TUN in ROUTE_TABLE and the policy rules around them, v4 and v6."""
+def exit_plan(tun: str, peer_ips: Iterable[str] = ()) -> list[tuple[Command, Command]]:
+    """Default routes via the TUN in ROUTE_TABLE and the policy rules around them, v4 and v6.
+
+    `peer_ips` (the configured mesh peers' addresses) get a `to IP lookup main` rule ahead of
+    everything: a second guard, beside SO_MARK, that outbound links never enter the tunnel.
+    """
     out: list[tuple[Command, Command]] = []
     table = str(ROUTE_TABLE)
+    for ip in sorted(set(peer_ips)):
+        addr = ipaddress.ip_address(ip)
+        fam = _fam(addr.version)
+        spec = ("priority", str(RULE_PRIO_PEERS), "to", f"{addr}/{addr.max_prefixlen}", "lookup", "main")
+        out.append((("ip", fam, "rule", "add", *spec), ("ip", fam, "rule", "del", *spec)))
     for fam in ("-4", "-6"):
         out.append((
             ("ip", fam, "route", "replace", "default", "dev", tun, "table", table, "proto", str(ROUTE_PROTO)),

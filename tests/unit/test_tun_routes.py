@@ -57,6 +57,11 @@ def test_exit_plan_routes_and_rules_both_families() -> None:
         assert f"ip {fam} rule add priority 5220 not fwmark 0x4d47 lookup 19783" in dos
     undos = [" ".join(u) for _, u in plan]
     assert "ip -6 rule del priority 5220" in undos
+    with_peers = tr.exit_plan("mg0", ["192.0.2.7", "2001:db8::7", "192.0.2.7"])
+    assert [" ".join(d) for d, _ in with_peers[:2]] == [
+        "ip -4 rule add priority 5200 to 192.0.2.7/32 lookup main",
+        "ip -6 rule add priority 5200 to 2001:db8::7/128 lookup main",
+    ]
 
 
 def test_cidr_route_uses_proto_and_metric() -> None:
