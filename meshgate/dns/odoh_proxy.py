@@ -114,8 +114,10 @@ def parse_target(query: str) -> TargetRef:
     if len(hosts) != 1 or len(paths) != 1:
         raise ProxyRefusal(400, "http_request_error", "need exactly one targethost and one targetpath")
     host_text, path = hosts[0], paths[0]
-    if not _PATH_OK.match(path) or len(path) > MAX_TARGETPATH or "#" in path:
-        raise ProxyRefusal(400, "http_request_error", "targetpath must be an absolute path")
+    # No query or fragment: a targetpath carrying "?targethost=..." would turn
+    # the target (if it is also a proxy) into a next hop, and chains into loops.
+    if not _PATH_OK.match(path) or len(path) > MAX_TARGETPATH or "#" in path or "?" in path:
+        raise ProxyRefusal(400, "http_request_error", "targetpath must be an absolute path, no query")
     host, port = _split_host(host_text)
     ip: IPAddress | None
     try:

@@ -36,6 +36,8 @@ def test_parse_name_and_port() -> None:
         "targethost=a.example&targetpath=relative",
         "targethost=a.example&targetpath=/has space",
         "targethost=a.example&targetpath=/x%0d%0aX-Injected:1",
+        "targethost=a.example&targetpath=/dns-query%3Ftargethost%3Db.example%26targetpath%3D/x",
+        "targethost=a.example&targetpath=/x%23frag",
         "targethost=bad_host!&targetpath=/x",
         "targethost=-lead.example&targetpath=/x",
         "targethost=a.example:99999&targetpath=/x",
