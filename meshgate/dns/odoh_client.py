@@ -7,6 +7,10 @@ max-age, refetched when the target answers 401 after a key rotation), seals
 each query to the target's key and POSTs it to the proxy's URI with
 `targethost`/`targetpath`; the proxy learns who asks, never what.
 
+The config fetch goes to the target directly (the proxy forwards only ODoH
+POSTs), so the target learns that this address uses it, never what it asks:
+the queries themselves only ever travel through the proxy.
+
 Upstream URL form: `odoh://TARGET[:PORT]/PATH?proxy=https://PROXY[:PORT]/PATH`.
 Without `proxy=` the query goes straight to the target (still encrypted, but
 the target then sees the client's address: only for testing).
