@@ -52,9 +52,12 @@ class Node:
         cfg = self.config
         plan: list[Service] = []
         if cfg.mesh.listen or cfg.mesh.peers or cfg.node.ipv4 or cfg.node.ipv6:
+            from meshgate.mesh import exit as mesh_exit
             from meshgate.mesh import service as mesh_service
 
             self.mesh = mesh_service.build(self)
+            # Streams arriving from the mesh leave through the exit/CIDR policy.
+            self.mesh.egress_connect = mesh_exit.connector(self)
             plan.append(self.mesh)
         if cfg.dns.listeners or cfg.dns.upstreams:
             from meshgate.dns import service as dns_service

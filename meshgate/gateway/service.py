@@ -23,7 +23,12 @@ class Socks5Service:
         self.node = node
         cfg = node.config
         if node.dialer is None:
-            node.dialer = Dialer.for_node(node)
+            if node.mesh is not None:
+                from meshgate.gateway.mesh_dialer import MeshDialer
+
+                node.dialer = MeshDialer.for_node(node)
+            else:
+                node.dialer = Dialer.for_node(node)
         self.pool = BufferPool(
             capacity=_UDP_BUFFER, headroom=MAX_UDP_HEADER, max_free=min(cfg.limits.buffer_pool_size, 64)
         )

@@ -1,0 +1,128 @@
+"""The dialer when the node is in a mesh: pick where a destination leaves.
+
+Per destination (INTERFACE.md, "Behaviour a user relies on"):
+
+1. `<name>.<dns.zone>` is that node's virtual IP; a static `dns.records`
+   name is its address. Both are then routed as addresses.
+2. An address: the route table says self / peer (virtual IP) / cidr (longest
+   prefix) / exit. Own node → this node's egress (own virtual IP means
+   127.0.0.1); another node → a mesh stream to it, which connects there.
+3. Any other name travels unresolved to the exit (socks5h semantics), so it
+   resolves where the traffic leaves; with no exit, `mesh.direct_fallback`
+   resolves and connects from this host, else reply 0x03.
+
+The mesh stream's transport behaves like an asyncio transport, so the relay
+in server.py does not know which kind of upstream it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import Callable
+from typing import Any
+
+from meshgate.gateway import socks5
+from meshgate.gateway.dialer import Dialer, DialError
+from meshgate.mesh.exit import connector
+from meshgate.mesh.routing import Route
+from meshgate.mesh.streams import StreamError
+from meshgate.metrics import REGISTRY
+from meshgate.policy import IPAddress
+
+_routed = REGISTRY.counter(
+    "meshgate_socks5_routed_total", "SOCKS5 CONNECT destinations by where they leave", ("via",)
+)
+# Used only to ask "which node carries generic internet traffic" when a name
+# has no address yet: any public address answers the longest-prefix question
+# the same way for a 0.0.0.0/0 proxy CIDR.
+_PROBE_V4 = ipaddress.IPv4Address("1.1.1.1")
+
+
+class MeshDialer(Dialer):
+    def __init__(self, node: Any, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.node = node
+        self.mesh = node.mesh
+        cfg = node.config
+        self.zone = cfg.dns.zone.rstrip(".")
+        self.records = {name.rstrip("."): ipaddress.ip_address(a) for name, a in cfg.dns.records}
+        self.direct_fallback = cfg.mesh.direct_fallback
+        self.egress = connector(node, kw.get("connect_timeout"))
+        self.own_vips = {str(i.ip) for i in (cfg.node.ipv4, cfg.node.ipv6) if i is not None}
+
+    @classmethod
+    def for_node(cls, node: Any) -> MeshDialer:
+        limits = node.config.limits
+        return cls(
+            node,
+            connect_timeout=limits.socks5_connect_timeout,
+            resolver=node.resolver,
+            write_high_water=limits.socks5_write_high_water,
+        )
+
+    def mesh_name(self, host: str) -> IPAddress | None:
+        """Address for a mesh or static name; DialError(0x04) for an unknown name in the zone."""
+        name = host.lower().rstrip(".")
+        if name in self.records:
+            return self.records[name]
+        if name.endswith("." + self.zone):
+            label = name[: -len(self.zone) - 1]
+            entry = self.mesh.name_table().get(label)
+            if entry is None:
+                raise DialError(socks5.REP_HOST_UNREACHABLE, f"no node named {label!r} in {self.zone}")
+            v4, v6 = entry
+            ip: IPAddress | None = v4 or v6
+            if ip is None:
+                raise DialError(socks5.REP_HOST_UNREACHABLE, f"node {label!r} has no virtual IP")
+            return ip
+        return None
+
+    def route_name(self) -> Route | None:
+        """Where a name with no mesh meaning leaves: an exit, or a catch-all proxy CIDR."""
+        route: Route | None = self.mesh.table.exit_route(bool(self.mesh.policy_flag))
+        if route is None:
+            route = self.mesh.lookup(_PROBE_V4)
+        return route
+
+    async def connect(
+        self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
+    ) -> tuple[asyncio.Transport, asyncio.Protocol, tuple[str, int]]:
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                return await self._mesh_connect(host, port, protocol_factory)
+        except TimeoutError:
+            raise DialError(socks5.REP_TTL_EXPIRED, f"connect to {host}:{port} timed out") from None
+
+    async def _mesh_connect(
+        self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
+    ) -> tuple[asyncio.Transport, asyncio.Protocol, tuple[str, int]]:
+        try:
+            ip: IPAddress | None = ipaddress.ip_address(host)
+        except ValueError:
+            ip = self.mesh_name(host)
+        if ip is not None:
+            host = str(ip)
+            route = self.mesh.lookup(ip)
+        else:
+            route = self.route_name()
+        if route is None:
+            if self.direct_fallback and (ip is None or str(ip) not in self.own_vips):
+                _routed.labels("direct").inc()
+                return await super()._connect(host, port, protocol_factory)
+            _routed.labels("unreachable").inc()
+            raise DialError(socks5.REP_NETWORK_UNREACHABLE, f"no mesh route to {host} and no exit node")
+        try:
+            if route.node_id == self.mesh.node_id:
+                _routed.labels("self").inc()
+                transport, protocol = await self.egress(host, port, protocol_factory)
+                sock = transport.get_extra_info("sockname")
+                bound = (str(sock[0]), int(sock[1])) if sock else ("0.0.0.0", 0)
+            else:
+                _routed.labels(route.kind).inc()
+                transport, protocol = await self.mesh.open_stream(route.node_id, host, port, protocol_factory)
+                bound = (next(iter(self.own_vips), "0.0.0.0"), 0)
+        except StreamError as e:
+            raise DialError(e.code, f"{host}:{port} via {route.name or route.node_id}: {e}") from None
+        assert isinstance(transport, asyncio.Transport) and isinstance(protocol, asyncio.Protocol)
+        return transport, protocol, bound

@@ -1,0 +1,170 @@
+"""SOCKS5 portal over the mesh, three full nodes in one process (A — B — C on loopback TCP links).
+
+Everything shares one loopback here, so where a connection left the mesh is
+proven by counters on the node that egressed, not by the source address;
+tests/system/test_portal_netns.py checks sources in real namespaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from python_socks import ProxyError
+from python_socks.async_.asyncio import Proxy
+
+from meshgate.config import from_dict
+from meshgate.metrics import REGISTRY
+from meshgate.node import Node
+from tests.helpers import async_wait_until
+
+SECRET = "portal-mesh-test-secret"
+
+
+def cfg(name: str, ipv4: str, **sections: Any) -> Any:
+    raw: dict[str, Any] = {
+        "node": {"name": name, "network": "pm", "secret": SECRET, "ipv4": ipv4, "state_dir": "/nonexistent"},
+        "admin": {"enable": False},
+        "socks5": {"enable": False},
+    }
+    for k, v in sections.items():
+        raw.setdefault(k, {}).update(v)
+    return from_dict(raw)
+
+
+async def start(config: Any) -> Node:
+    node = Node(config)
+    await node.start()
+    return node
+
+
+@pytest.fixture
+async def line(tmp_path: Any) -> AsyncIterator[dict[str, Node]]:
+    state = {k: str(tmp_path / k) for k in "abc"}
+    b = await start(cfg("b", "10.144.1.2/24", node={"state_dir": state["b"]},
+                        mesh={"listen": ["tcp://127.0.0.1:0"]}))
+    url = b.mesh.listen_addrs[0]
+    c = await start(cfg("c", "10.144.1.3/24", node={"state_dir": state["c"]},
+                        mesh={"peers": [url], "exit_node": True,
+                              "proxy_cidrs": ["127.0.0.0/24->10.2.2.0/24"]}))
+    a = await start(cfg("a", "10.144.1.1/24", node={"state_dir": state["a"]},
+                        mesh={"peers": [url], "exit_nodes": ["auto"], "direct_fallback": False},
+                        socks5={"enable": True, "listen": "127.0.0.1:0"}))
+    nodes = {"a": a, "b": b, "c": c}
+    ids = {n.mesh.node_id for n in nodes.values()}
+    await async_wait_until(lambda: all(ids <= set(n.mesh.table.hop_paths) for n in nodes.values()),
+                           15, "routes to converge")
+    yield nodes
+    for n in (a, c, b):
+        await n.stop()
+
+
+def portal(nodes: dict[str, Node]) -> Proxy:
+    svc = next(s for s in nodes["a"].services if s.name == "socks5")
+    addr = svc.address  # type: ignore[attr-defined]
+    return Proxy.from_url(f"socks5://{addr.host}:{addr.port}", rdns=True)
+
+
+async def echo_server() -> tuple[asyncio.Server, int]:
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        data = await r.read(1 << 16)
+        w.write(b"echo:" + data)
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def roundtrip(proxy: Proxy, host: str, port: int, payload: bytes = b"hello") -> bytes:
+    sock = await proxy.connect(dest_host=host, dest_port=port, timeout=10)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(payload)
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    return data
+
+
+def egress_ok() -> float:
+    return REGISTRY.value("meshgate_egress_connects_total", "ok")
+
+
+def routed(via: str) -> float:
+    return REGISTRY.value("meshgate_socks5_routed_total", via)
+
+
+async def test_destinations_reach_the_right_node(line: dict[str, Node]) -> None:
+    server, port = await echo_server()
+    proxy = portal(line)
+    try:
+        before = routed("self"), routed("peer"), routed("cidr")
+        # A's own virtual IP: A's loopback, no mesh hop
+        assert await roundtrip(proxy, "10.144.1.1", port) == b"echo:hello"
+        assert routed("self") == before[0] + 1
+        # C's virtual IP, relayed by B
+        egress_before = egress_ok()
+        assert await roundtrip(proxy, "10.144.1.3", port, b"via-b") == b"echo:via-b"
+        assert routed("peer") == before[1] + 1
+        assert egress_ok() == egress_before + 1  # C's policy-checked egress made the connection
+        # C's node name resolves to its virtual IP on A
+        assert await roundtrip(proxy, "c.mesh.internal", port, b"byname") == b"echo:byname"
+        # the mapped proxy CIDR: 10.2.2.1 on A is 127.0.0.1 at C (host bits kept)
+        assert await roundtrip(proxy, "10.2.2.1", port, b"mapped") == b"echo:mapped"
+        assert routed("cidr") == before[2] + 1
+    finally:
+        server.close()
+
+
+async def test_bulk_both_ways_through_relay(line: dict[str, Node]) -> None:
+    payload = hashlib.sha256(b"x").digest() * (4 << 15)  # 4 MiB
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        h = hashlib.sha256()
+        while chunk := await r.read(1 << 16):
+            h.update(chunk)
+        w.write(h.hexdigest().encode() + payload)
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        sock = await portal(line).connect(dest_host="10.144.1.3", dest_port=port, timeout=10)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(payload)
+        await writer.drain()
+        writer.write_eof()  # half-close travels through the mesh; the answer still comes back
+        got = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+        assert got[:64].decode() == hashlib.sha256(payload).hexdigest()
+        assert got[64:] == payload
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "host,code",
+    [
+        ("10.144.1.99", 0x03),       # unassigned address in the mesh subnet: nobody serves it
+        ("nosuch.mesh.internal", 0x04),
+        ("127.0.1.1", 0x02),          # loopback outside C's proxy CIDR: refused without allow_private
+        ("10.1.5.5", 0x02),           # private, not C's own proxy CIDR: refused at the exit
+    ],
+)
+async def test_refusals_map_to_reply_codes(line: dict[str, Node], host: str, code: int) -> None:
+    with pytest.raises(ProxyError) as ei:
+        await portal(line).connect(dest_host=host, dest_port=80, timeout=10)
+    assert ei.value.error_code == code
+
+
+async def test_refused_port_at_far_end_is_0x05(line: dict[str, Node]) -> None:
+    server, port = await echo_server()
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(ProxyError) as ei:
+        await portal(line).connect(dest_host="10.144.1.3", dest_port=port, timeout=10)
+    assert ei.value.error_code == 0x05
