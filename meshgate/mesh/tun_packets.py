@@ -23,7 +23,7 @@ What the mesh does to a packet, as a router would:
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 PROTO_ICMP = 1
 PROTO_TCP = 6
@@ -58,8 +58,7 @@ class PacketError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
-class Packet:
+class Packet(NamedTuple):  # a NamedTuple: built per packet, ~5x cheaper than a frozen dataclass
     version: int  # 4 or 6
     src: bytes  # 4 or 16 bytes
     dst: bytes
