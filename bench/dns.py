@@ -1,0 +1,400 @@
+"""DNS benchmark: meshgate beside unbound and dnsdist, and pooled vs unpooled answer packing.
+
+Two tables (bench/common.py runner: alternating rounds, medians):
+
+1. dns-alloc (in process, no sockets): N DoH GET requests for a name with five
+   A records (a cache hit) through the real HTTP/2 server protocol
+   (h2server.H2ServerProtocol + DohApp + pipeline + packing) with a fake
+   transport. Variants: `unpooled` (a fresh buffer per answer, the baseline)
+   and `pooled` (BufferPool, recycle after h2 copied the answer). Reported per
+   query: wall and CPU microseconds, gc collections, tracemalloc peak and held
+   bytes/blocks, and answer buffers newly allocated (the pool's counter) with
+   the bytes they cost. The seed's own measure is one million queries:
+   `--alloc-queries 1000000` (slow: minutes per round).
+
+2. dns-load (loopback): queries/s, lost queries, latency p50/p99 (dnsperf -v,
+   client-observed) or mean (h2load), and the server's CPU microseconds per
+   query (from /proc) for: UDP (dnsperf -m udp), DoH GET and POST (h2load,
+   4 connections x 16 streams), DoH with dnsperf -m doh; against meshgate
+   (one process, uvloop), unbound (one thread) and dnsdist, all answering
+   `www.test A` from memory (meshgate: its cache, filled from unbound as the
+   loopback upstream). Cache misses: meshgate with a fresh name per query
+   (UDP and DoH GET), each resolved through unbound on loopback.
+
+Nothing leaves 127.0.0.1: peers answer `*.test` locally; load is bounded in
+count and time.
+
+    .venv/bin/python bench/dns.py [--rounds 3] [--alloc-queries N] [--seconds S] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+from typing import Any
+
+# This file is bench/dns.py: with bench/ on sys.path, `import dns` would import this script
+# instead of dnspython. Run from the repository root instead.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import dns.message  # noqa: E402
+import dns.rrset  # noqa: E402
+import h2.config  # noqa: E402
+import h2.connection  # noqa: E402
+
+from bench.common import Metrics, Peer, Runner, add_args, free_port, measure_in_process, report, selected  # noqa: E402
+from meshgate.config import from_dict  # noqa: E402
+from meshgate.dns import wire  # noqa: E402
+from meshgate.dns.doh import DohApp  # noqa: E402
+from meshgate.dns.h2server import H2ServerProtocol  # noqa: E402
+from meshgate.dns.resolver import BUFFER_CAPACITY, BUFFER_HEADROOM, Pipeline  # noqa: E402
+from meshgate.dns.stats import ListenerStats  # noqa: E402
+from meshgate.metrics import REGISTRY  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = Path("/work/shared/peers")
+HIT_NAME = "www.test"
+
+# --------------------------------------------------------------------------- 1. in-process allocation A/B
+
+
+class _NullTransport:
+    """Counts what the server writes; keeps nothing (so held memory is the server's own)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.last = b""
+
+    def write(self, data: bytes) -> None:
+        self.bytes += len(data)
+        self.last = data
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, key: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 50000) if key == "peername" else default
+
+    def close(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def _five_a_pipeline(pooled: bool) -> Pipeline:
+    cfg = from_dict({"node": {"name": "bench"}, "limits": {"dns_tcp_idle_timeout": 3600.0}})
+    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[], pooled=pooled)
+    q = dns.message.make_query("five.bench.", "A")
+    r = dns.message.make_response(q)
+    five = [f"192.0.2.{i}" for i in range(1, 6)]
+    r.answer.append(dns.rrset.from_text("five.bench.", 3600, "IN", "A", *five))
+    key = (wire.encode_name("five.bench"), 1, 1)
+    p.cache.put(key, wire.parse_response(r.to_wire(), q.id, key, 0.0))
+    p.cache.get(key, 0.0)
+    return p
+
+
+def _client_bytes(n: int) -> list[bytes]:
+    """The bytes an h2 client sends for n GETs (with connection window updates), one chunk per request."""
+    q = dns.message.make_query("five.bench.", "A")
+    q.id = 0
+    path = "/dns-query?dns=" + base64.urlsafe_b64encode(q.to_wire()).decode().rstrip("=")
+    headers = [(":method", "GET"), (":path", path), (":scheme", "https"), (":authority", "localhost"),
+               ("accept", "application/dns-message")]
+    c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    c.initiate_connection()
+    chunks = [c.data_to_send()]
+    for i in range(n):
+        sid = c.get_next_available_stream_id()
+        c.send_headers(sid, headers, end_stream=True)
+        if i % 500 == 0:
+            c.increment_flow_control_window(1 << 20)  # what a client's acks amount to
+        chunks.append(c.data_to_send())
+    return chunks
+
+
+def alloc_variant(pooled: bool, n: int, chunks: list[bytes]) -> Metrics:
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(_alloc_variant(pooled, n, chunks))
+    finally:
+        loop.close()
+
+
+async def _alloc_variant(pooled: bool, n: int, chunks: list[bytes]) -> Metrics:
+    # Everything runs synchronously inside one coroutine: cache hits never await.
+    if True:
+        pipeline = _five_a_pipeline(pooled)
+        stats = ListenerStats(f"bench-{'pooled' if pooled else 'unpooled'}")
+        app = DohApp(pipeline, stats, "/dns-query")
+        limits = pipeline.config.limits
+
+        def run() -> None:
+            srv = H2ServerProtocol(app, stats, limits, set())
+            t = _NullTransport()
+            srv.max_streams = n + 1
+            srv.connection_made(t)  # type: ignore[arg-type]
+            for chunk in chunks:
+                srv.data_received(chunk)
+            if srv.timer is not None:
+                srv.timer.cancel()
+            srv.connection_lost(None)
+            assert stats.snapshot()["responses"], "no answers"
+
+        allocated = REGISTRY.counter("meshgate_buffer_allocated_total", "").labels()
+        a0 = allocated.value
+        m = measure_in_process(run, n)
+        new_buffers = (allocated.value - a0) / 2  # measure_in_process runs twice
+        if pooled:
+            m["buffers/op"] = new_buffers / n
+            m["buffer_B/op"] = m["buffers/op"] * (BUFFER_CAPACITY + BUFFER_HEADROOM)
+        else:
+            m["buffers/op"] = 1.0  # a one-off Buffer per answer (not counted by the pool)
+            m["buffer_B/op"] = 1024 + BUFFER_HEADROOM
+        return m
+
+
+def pack_variant(pooled: bool, n: int) -> Metrics:
+    """Only the packing step (parse, cache hit, pack, release): pooling's effect undiluted by h2."""
+    pipeline = _five_a_pipeline(pooled)
+    q = dns.message.make_query("five.bench.", "A")
+    q.id = 0
+    data = q.to_wire()
+
+    def run() -> None:
+        for _ in range(n):
+            query = wire.parse_query(data)
+            ans = pipeline.lookup(query, 1.0)
+            assert ans is not None
+            buf = pipeline.buffer(wire.packed_size(ans, query, False))
+            wire.pack_answer(buf, ans, query, 1.0)
+            buf.recycle()  # what a copying writer (h2 send_data, sendto) allows
+
+    return measure_in_process(run, n)
+
+
+# --------------------------------------------------------------------------- 2. load against peers
+
+
+def _cert(tmp: Path) -> tuple[Path, Path]:
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "30",
+                    "-subj", "/CN=localhost"], check=True, capture_output=True)
+    return cert, key
+
+
+def _fill(template: Path, out: Path, **values: str) -> Path:
+    text = template.read_text()
+    for k, v in values.items():
+        text = text.replace(f"@{k}@", v)
+    out.write_text(text)
+    return out
+
+
+class Server:
+    def __init__(self, name: str, peer: Peer, udp: int, doh: int) -> None:
+        self.name, self.peer, self.udp, self.doh = name, peer, udp, doh
+
+
+def start_servers(tmp: Path, wanted: set[str]) -> dict[str, Server]:
+    cert, key = _cert(tmp)
+    servers: dict[str, Server] = {}
+    # unbound is also meshgate's loopback upstream, so it always runs.
+    u_udp, u_doh = free_port(), free_port()
+    conf = _fill(PEERS / "unbound.conf.in", tmp / "unbound.conf", UDP_PORT=str(u_udp),
+                 DOH_PORT=str(u_doh), CERT=str(cert), KEY=str(key), DIR=str(tmp))
+    peer = Peer("unbound", ["unbound", "-d", "-c", str(conf)], port=u_doh).start()
+    servers["unbound"] = Server("unbound", peer, u_udp, u_doh)
+    if "dnsdist" in wanted and shutil.which("dnsdist"):
+        d_udp, d_doh = free_port(), free_port()
+        conf = _fill(PEERS / "dnsdist.conf.in", tmp / "dnsdist.conf", UDP_PORT=str(d_udp),
+                     DOH_PORT=str(d_doh), CERT=str(cert), KEY=str(key))
+        argv = ["dnsdist", "--supervised", "--disable-syslog", "-C", str(conf)]
+        servers["dnsdist"] = Server("dnsdist", Peer("dnsdist", argv, port=d_doh).start(), d_udp, d_doh)
+    m_udp, m_doh = free_port(), free_port()
+    cfg = tmp / "meshgate.toml"
+    cfg.write_text(f"""
+[node]
+name = "bench"
+state_dir = "{tmp / 'state'}"
+[socks5]
+enable = false
+[admin]
+enable = false
+[dns]
+upstreams = ["udp://127.0.0.1:{u_udp}"]
+cache_size = 1000000
+[[dns.listener]]
+protocol = "udp"
+listen = "127.0.0.1:{m_udp}"
+[[dns.listener]]
+protocol = "doh"
+listen = "127.0.0.1:{m_doh}"
+cert = "{cert}"
+key = "{key}"
+[limits]
+dns_max_inflight = 100000
+buffer_pool_size = 4096
+""")
+    argv = [sys.executable, "-m", "meshgate", "run", "-c", str(cfg)]
+    peer = Peer("meshgate", argv, port=m_doh, cwd=str(ROOT)).start()
+    servers["meshgate"] = Server("meshgate", peer, m_udp, m_doh)
+    return servers
+
+
+def _query_b64(name: str) -> str:
+    q = dns.message.make_query(name, "A")
+    q.id = 0
+    return base64.urlsafe_b64encode(q.to_wire()).decode().rstrip("=")
+
+
+def _percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p / 100 * len(values)))]
+
+
+def dnsperf(server: Server, mode: str, data: Path, seconds: float, extra: list[str]) -> Metrics:
+    port = server.udp if mode in ("udp", "tcp") else server.doh
+    cpu0 = server.peer.cpu_seconds()
+    out = subprocess.run(["dnsperf", "-m", mode, "-s", "127.0.0.1", "-p", str(port), "-d", str(data),
+                          "-l", str(seconds), "-t", "2", "-v", *extra],
+                         capture_output=True, text=True, timeout=seconds + 30).stdout
+    cpu = server.peer.cpu_seconds() - cpu0
+    sent = int(_grab(r"Queries sent:\s+(\d+)", out))
+    done = int(_grab(r"Queries completed:\s+(\d+)", out))
+    lat = [float(x) for x in re.findall(r"^> \S+ \S+ \S+ ([0-9.]+)$", out, re.M)]
+    return {"qps": float(_grab(r"Queries per second:\s+([0-9.]+)", out)), "lost": float(sent - done),
+            "p50_ms": _percentile(lat, 50) * 1000, "p99_ms": _percentile(lat, 99) * 1000,
+            "cpu_us/q": cpu / max(done, 1) * 1e6}
+
+
+def h2load(server: Server, n: int, post: bool, uris: Path | None = None, body: Path | None = None) -> Metrics:
+    base = f"https://127.0.0.1:{server.doh}/dns-query"
+    argv = ["h2load", "-n", str(n), "-c", "4", "-m", "16", "-t", "1"]
+    if post:
+        assert body is not None
+        argv += ["-d", str(body), "-H", "content-type: application/dns-message", base]
+    elif uris is not None:
+        argv += ["-i", str(uris)]
+    else:
+        argv += [f"{base}?dns={_query_b64(HIT_NAME)}"]
+    cpu0 = server.peer.cpu_seconds()
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120).stdout
+    cpu = server.peer.cpu_seconds() - cpu0
+    ok = int(_grab(r"(\d+) succeeded", out))
+    mean = re.search(r"time for request:\s+\S+\s+\S+\s+([0-9.]+)(us|ms|s)", out)
+    mean_ms = float("nan")
+    if mean:
+        mean_ms = float(mean.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[mean.group(2)]
+    return {"qps": float(_grab(r"finished in [0-9.]+\w+, ([0-9.]+) req/s", out)), "lost": float(n - ok),
+            "mean_ms": mean_ms, "cpu_us/q": cpu / max(ok, 1) * 1e6}
+
+
+def _grab(pattern: str, text: str) -> str:
+    m = re.search(pattern, text)
+    if m is None:
+        raise RuntimeError(f"unexpected tool output (no {pattern!r}): {text[-600:]}")
+    return m.group(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    ap.add_argument("--alloc-queries", type=int, default=20000, help="queries per in-process round")
+    ap.add_argument("--seconds", type=float, default=3.0, help="dnsperf run length per round")
+    ap.add_argument("--requests", type=int, default=20000, help="h2load requests per round")
+    ap.add_argument("--skip-load", action="store_true", help="only the in-process A/B")
+    args = ap.parse_args()
+    runners: list[Runner] = []
+
+    alloc = Runner("dns-alloc (in-process DoH GET, five A records, cache hit)", rounds=args.rounds,
+                   baseline="unpooled")
+    chunks = _client_bytes(args.alloc_queries)
+    alloc.add("unpooled", lambda: alloc_variant(False, args.alloc_queries, chunks))
+    alloc.add("pooled", lambda: alloc_variant(True, args.alloc_queries, chunks))
+    alloc.run()
+    runners.append(alloc)
+    pack = Runner("dns-pack (in-process: parse + cache hit + pack, no HTTP)", rounds=args.rounds,
+                  baseline="unpooled")
+    pack.add("unpooled", lambda: pack_variant(False, args.alloc_queries * 5))
+    pack.add("pooled", lambda: pack_variant(True, args.alloc_queries * 5))
+    pack.run()
+    runners.append(pack)
+
+    if not args.skip_load:
+        for tool in ("dnsperf", "h2load", "unbound", "openssl"):
+            if shutil.which(tool) is None:
+                sys.exit(f"{tool} is not installed")
+        with tempfile.TemporaryDirectory(prefix="bench-dns-") as d:
+            tmp = Path(d)
+            wanted = {"meshgate", "unbound", "dnsdist"}
+            servers = start_servers(tmp, wanted)
+            try:
+                runners.append(_load(args, tmp, servers))
+            finally:
+                for s in servers.values():
+                    s.peer.stop()
+    report(runners, json_path=args.json, ratio_metrics=["us/op", "cpu_us/op", "peak_B/op", "held_B/op"])
+
+
+def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Runner:
+    hit = tmp / "hit.txt"
+    hit.write_text(f"{HIT_NAME} A\n")
+    body = tmp / "hit.bin"
+    q = dns.message.make_query(HIT_NAME, "A")
+    q.id = 0
+    body.write_bytes(q.to_wire())
+    # Warm meshgate's cache (the first www.test goes to unbound).
+    dnsperf(servers["meshgate"], "udp", hit, 0.5, ["-c", "1", "-q", "1"])
+    run = Runner("dns-load (loopback; hit = www.test from memory/cache)", rounds=args.rounds)
+    sec, n = args.seconds, args.requests
+    for name, s in servers.items():
+        if not selected(args, name):
+            continue
+        run.add(f"{name} udp dnsperf", lambda s=s: dnsperf(s, "udp", hit, sec, ["-c", "4", "-q", "200"]))
+        run.add(f"{name} doh GET h2load", lambda s=s: h2load(s, n, post=False))
+        run.add(f"{name} doh POST h2load", lambda s=s: h2load(s, n, post=True, body=body))
+        run.add(f"{name} doh dnsperf", lambda s=s: dnsperf(s, "doh", hit, sec, ["-c", "2", "-q", "50"]))
+    mg = servers["meshgate"]
+    if selected(args, "meshgate"):
+
+        def udp_miss() -> Metrics:
+            data = tmp / "miss.txt"
+            tag = secrets.token_hex(4)
+            data.write_text("".join(f"m{i}-{tag}.test A\n" for i in range(200000)))
+            return dnsperf(mg, "udp", data, args.seconds, ["-c", "4", "-q", "200", "-n", "1"])
+
+        def doh_miss() -> Metrics:
+            uris = tmp / "miss-uris.txt"
+            tag = secrets.token_hex(4)
+            n = args.requests // 4
+            uris.write_text("".join(f"https://127.0.0.1:{mg.doh}/dns-query?dns={_query_b64(f'd{i}-{tag}.test')}\n"
+                                    for i in range(n)))
+            return h2load(mg, n, post=False, uris=uris)
+
+        run.add("meshgate udp MISS dnsperf", udp_miss)
+        run.add("meshgate doh GET MISS h2load", doh_miss)
+    run.run()
+    return run
+
+
+if __name__ == "__main__":
+    main()
