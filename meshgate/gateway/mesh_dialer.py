@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from meshgate.gateway import socks5
 from meshgate.gateway.dialer import Dialer, DialError
@@ -124,5 +124,7 @@ class MeshDialer(Dialer):
                 bound = (next(iter(self.own_vips), "0.0.0.0"), 0)
         except StreamError as e:
             raise DialError(e.code, f"{host}:{port} via {route.name or route.node_id}: {e}") from None
-        assert isinstance(transport, asyncio.Transport) and isinstance(protocol, asyncio.Protocol)
+        # uvloop's transports are not asyncio.Transport subclasses: cast, don't assert
+        transport = cast(asyncio.Transport, transport)
+        protocol = cast(asyncio.Protocol, protocol)
         return transport, protocol, bound

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from meshgate.buffers import BufferPool
 from meshgate.config import Config
@@ -133,7 +133,8 @@ class ClientProtocol(asyncio.Protocol):
     # ----------------------------------------------------------------- lifecycle
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's transports are not asyncio.Transport subclasses: cast, don't assert
+        transport = cast(asyncio.Transport, transport)
         self.transport = transport
         self.peer = transport.get_extra_info("peername")
         srv = self.server

@@ -14,7 +14,7 @@ import errno
 import ipaddress
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from meshgate.mesh.streams import (
     GENERAL_FAILURE,
@@ -79,7 +79,8 @@ class SplicePipe(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's transports are not asyncio.Transport subclasses: cast, don't assert
+        transport = cast(asyncio.Transport, transport)
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:

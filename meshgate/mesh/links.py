@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from meshgate.config import LinkUrl
 from meshgate.logs import RateLimitedLog
@@ -66,7 +66,8 @@ class Link(asyncio.Protocol):
     # ------------------------------------------------------------ asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's transports are not asyncio.Transport subclasses: cast, don't assert
+        transport = cast(asyncio.Transport, transport)
         self.transport = transport
         link_tcp.tune(transport)
         if not self.initiator and self.url.startswith("tcp"):

@@ -20,7 +20,7 @@ import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from meshgate.config import Config, LinkUrl
 from meshgate.logs import RateLimitedLog
@@ -573,7 +573,8 @@ class MeshService:
             _rlog.debug(f"egress:{host}", "egress to %s:%d for %08x failed: %s", host, port, stream.peer, e)
             self.mux.refuse(stream, code)
             return
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's transports are not asyncio.Transport subclasses: cast, don't assert
+        transport = cast(asyncio.Transport, transport)
         if stream.closed:
             transport.abort()
             return
