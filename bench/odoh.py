@@ -34,9 +34,13 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# bench/ holds dns.py, which would shadow dnspython's `dns` if bench/ stayed on
+# sys.path (it is sys.path[0] when this runs as a script): swap it for the root.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
 
-from bench.common import (
+from bench.common import (  # noqa: E402
     Metrics,
     Peer,
     Runner,
@@ -46,9 +50,9 @@ from bench.common import (
     report,
     selected,
 )
-from meshgate.dns import odoh
-from meshgate.dns.certs import ensure_self_signed
-from meshgate.dns.h2client import H2ClientConnection, client_ssl_context, connect
+from meshgate.dns import odoh  # noqa: E402
+from meshgate.dns.certs import ensure_self_signed  # noqa: E402
+from meshgate.dns.h2client import H2ClientConnection, client_ssl_context, connect  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "bench-name.example"
