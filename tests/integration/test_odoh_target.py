@@ -160,3 +160,25 @@ async def test_mode_routing(tmp_path: Path, mode: str) -> None:
     finally:
         conn.close()
         await listener.close()
+
+
+async def test_client_refetches_config_after_rotation(tmp_path: Path) -> None:
+    """OdohClient caches the config; after the target rotated past it (401) it fetches it again once."""
+    from meshgate.dns.odoh_client import HttpsEndpoint, OdohClient
+
+    listener, cert = await _start(tmp_path, mode="target", key_rotation=3600.0)
+    app = listener.app
+    assert app is not None and app.target is not None
+    client = OdohClient(HttpsEndpoint("localhost", listener.port, "/dns-query"), None,
+                        client_ssl_context(cafile=str(cert)), timeout=5)
+    try:
+        assert b"\x0a\x00\x00\x09" in await client.query(_query(1))
+        first = await client.config()
+        app.rotate()
+        app.rotate()  # the cached config's key is now gone entirely
+        assert b"\x0a\x00\x00\x09" in await client.query(_query(2))
+        assert await client.config() != first
+        assert client.pool.connects == 1  # config fetches and queries share one connection
+    finally:
+        client.close()
+        await listener.close()
