@@ -39,12 +39,16 @@ rlog = RateLimitedLog(log)
 
 PROXY_NAME = "meshgate"
 
-_forwarded = REGISTRY.counter(
-    "meshgate_odoh_proxy_requests_total", "ODoH proxy requests by outcome", ("outcome",)
+_requests = REGISTRY.counter(
+    "meshgate_odoh_proxy_requests_total",
+    "ODoH proxy requests by outcome and Proxy-Status error type (a fixed set: bounded labels)",
+    ("outcome", "error"),
 )
-_OK = _forwarded.labels("forwarded")
-_REFUSED = _forwarded.labels("refused")
-_FAILED = _forwarded.labels("target_error")
+_OK = _requests.labels("forwarded", "")
+
+
+def _count(outcome: str, error: str) -> None:
+    _requests.labels(outcome, error).inc()
 
 _HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _PATH_OK = re.compile(r"^/[!-~]*$")  # printable ASCII, no spaces or controls
@@ -244,7 +248,7 @@ class OdohProxy:
             self.check(target)
             addr = await self._address(target)
         except ProxyRefusal as e:
-            _REFUSED.inc()
+            _count("refused", e.error)
             peer = current_peer.get()
             rlog.debug(f"refused:{e.error}:{peer}", "odoh proxy: refused a request from %s: %s",
                        peer, e.details)
@@ -260,11 +264,11 @@ class OdohProxy:
                 addr, target.port, target.host, b"POST", target.path.encode(), headers, body, self.timeout
             )
         except H2ClientError as e:
-            _FAILED.inc()
+            _count("target_error", e.kind)
             rlog.debug(f"target:{target.authority}", "odoh proxy: target %s failed: %s", target.authority, e)
             return ProxyReply(502, [("proxy-status", proxy_status(e.kind, str(e)))], b"")
         if 300 <= resp.status < 400:
-            _FAILED.inc()
+            _count("target_error", "redirect")
             rlog.debug(f"redirect:{target.authority}", "odoh proxy: target %s redirected; not followed",
                        target.authority)
             return ProxyReply(

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from meshgate.config import DnsListenerConfig, HostPort, LimitsConfig
 from meshgate.dns import odoh
 from meshgate.dns.odoh_proxy import OdohProxy, ProxyRefusal, parse_target, proxy_status
+from meshgate.metrics import REGISTRY
 
 
 def proxy(**kw: object) -> OdohProxy:
@@ -91,8 +92,11 @@ async def test_forward_refusals_carry_proxy_status() -> None:
     assert r.status == 415
     r = await p.forward("POST", odoh.MEDIA_TYPE, good_q, bytes(odoh.MAX_MESSAGE_LEN + 1))
     assert r.status == 413
+    before = REGISTRY.value("meshgate_odoh_proxy_requests_total", "refused", "destination_ip_prohibited")
     r = await p.forward("POST", odoh.MEDIA_TYPE, "targethost=127.0.0.1:1&targetpath=/dns-query", b"x")
     assert r.status == 403
+    after = REGISTRY.value("meshgate_odoh_proxy_requests_total", "refused", "destination_ip_prohibited")
+    assert after == before + 1
     status = dict(r.headers)["proxy-status"]
     assert status.startswith("meshgate; error=destination_ip_prohibited")
 
