@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections import OrderedDict
 from typing import Any
 
@@ -80,6 +81,12 @@ class DoqStreamState:
         if len(self.data) != 2 + n:
             raise DoqProtocolError("FIN before the declared length")
         return bytes(self.data[2:])
+
+
+def too_early(msg: bytes) -> bool:
+    """0-RTT data can be replayed: only QUERY and NOTIFY may be served from it."""
+    return len(msg) >= 12 and not msg[2] & 0x80 and ((msg[2] >> 3) & 0xF) not in (
+        wire.OPCODE_QUERY, wire.OPCODE_NOTIFY)
 
 
 def check_doq_query(q: wire.Query) -> None:
@@ -187,27 +194,36 @@ class DoqProtocol(QuicConnectionProtocol):
         self._query(sid, msg)
 
     def _query(self, sid: int, msg: bytes) -> None:
-        def check(q: wire.Query) -> None:
-            check_doq_query(q)
-            if not self.handshake_done and q.opcode != wire.OPCODE_QUERY:
-                raise _TooEarly(q)
-
-        try:
-            res = self.frontend.query(msg, self._loop.time(), self.peer, pad=True, check=check,
-                                      done=lambda buf, _age: self._answer_later(sid, buf))
-        except _TooEarly as e:
-            buf = self.frontend.pipeline.buffer(1024)
-            wire.pack_error(buf, e.q.id, e.q.flags, wire.REFUSED, e.q.question, edns=True, pad=True,
-                            ede=wire.EDE_TOO_EARLY)
-            self.stats.response(wire.REFUSED)
-            self._send(sid, buf)
+        if not self.handshake_done and too_early(msg):
+            self._too_early(sid, msg)
             return
+        res = self.frontend.query(msg, self._loop.time(), self.peer, pad=True, check=check_doq_query,
+                                  done=lambda buf, _age: self._answer_later(sid, buf))
         if res is Frontend.PENDING:
             self.running.add(sid)
         elif isinstance(res, Buffer):
             self._send(sid, res)
         else:  # dropped (malformed beyond answering): tell the client, free the slot
             self._reset(sid, DOQ_REQUEST_CANCELLED)
+
+    def _too_early(self, sid: int, msg: bytes) -> None:
+        """REFUSED + Extended DNS Error 26 for a non-QUERY/NOTIFY opcode in 0-RTT (replayable)."""
+        qid, flags = struct.unpack_from(">HH", msg, 0)
+        if qid != 0:
+            raise DoqProtocolError(f"message ID {qid} (must be 0)")
+        question: bytes | None
+        try:
+            question = wire.parse_query(msg).question
+        except wire.FormError as e:
+            question = e.question
+        except wire.WireError:
+            question = None
+        buf = self.frontend.pipeline.buffer(1024)
+        wire.pack_error(buf, qid, flags, wire.REFUSED, question, edns=True, pad=True, ede=wire.EDE_TOO_EARLY)
+        self.stats.queries.inc()
+        self.stats.error("too_early")
+        self.stats.response(wire.REFUSED)
+        self._send(sid, buf)
 
     def _answer_later(self, sid: int, buf: Buffer | None) -> None:
         self.running.discard(sid)
@@ -262,11 +278,6 @@ class DoqProtocol(QuicConnectionProtocol):
             self.transmit()
             return
         self._arm_deadline()
-
-
-class _TooEarly(Exception):
-    def __init__(self, q: wire.Query) -> None:
-        self.q = q
 
 
 async def start_doq(pipeline: Pipeline, stats: ListenerStats, limits: LimitsConfig, host: str, port: int,

@@ -111,7 +111,8 @@ class H2ServerProtocol(asyncio.Protocol):
             self.transport.abort()
             return
         ssl_obj = transport.get_extra_info("ssl_object")
-        if ssl_obj is not None and ssl_obj.selected_alpn_protocol() != "h2":
+        # We offer only h2; a client without ALPN gets h2 with prior knowledge.
+        if ssl_obj is not None and ssl_obj.selected_alpn_protocol() not in ("h2", None):
             self.stats.error("alpn")
             rlog.debug(f"{self.stats.name} alpn {self.peer}", "doh %s: %s did not negotiate h2 (ALPN %r)",
                        self.stats.name, self.peer, ssl_obj.selected_alpn_protocol())
