@@ -3,6 +3,7 @@
 import asyncio
 import socket
 from collections import deque
+from typing import cast
 
 import pytest
 
@@ -96,8 +97,7 @@ class _Sink(asyncio.Protocol):
         self.lost = asyncio.Event()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def pause_writing(self) -> None:
         self.paused.set()
@@ -168,6 +168,10 @@ async def test_write_after_connection_lost_never_reuses() -> None:
     late = pool.get()
     assert late is not buf
     late.write(b"late")
-    transport.write(late.view())
-    assert release_when_drained(late, transport, parked) is False
+    try:
+        transport.write(late.view())
+    except RuntimeError:  # uvloop refuses a write on a closed transport outright
+        late.drop()
+    else:  # asyncio accepts it silently; the closing transport makes release drop it
+        assert release_when_drained(late, transport, parked) is False
     assert pool.get() is not buf and pool.get() is not late

@@ -14,5 +14,7 @@ def test_there_are_examples() -> None:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_example_is_valid(path: Path) -> None:
+def test_example_is_valid(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the demo configs take their secret from the environment (compose env_file)
+    monkeypatch.setenv("MESHGATE_SECRET", "example-secret")
     load(path)
