@@ -1,0 +1,212 @@
+"""TUN data path throughput: iperf3 between network namespaces through the mesh (root only).
+
+    sudo .venv/bin/python bench/tun.py [--rounds 3] [--seconds 5] [--only NAMES] [--json FILE]
+
+Topology (tests/system/tun_topology.py): A — B — C, every node with a TUN device;
+"1 hop" is A -> B's virtual IP, "2 hops" is A -> C's virtual IP relayed by B.
+Variants, each in its own set of namespaces, alternating per round (bench/common.py):
+
+* `kernel`        iperf3 over the veth pairs themselves, no mesh: the ceiling.
+* `meshgate`      `meshgate run` with the default event loop (uvloop).
+* `meshgate-asyncio` the same with `--loop asyncio`.
+* `easytier`      the EasyTier core (PyPI `easytier-pyo3`) in TUN mode, TCP links, same
+                  addresses; its STUN lists point at loopback (the namespaces have no
+                  way out anyway). Skipped if the package is missing.
+
+Metrics: TCP MB/s (iperf3 receiver), UDP packets/s received (1200-byte datagrams,
+unlimited rate, loss reported), and CPU seconds per GiB moved for each node's
+process (utime+stime from /proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import Metrics, Runner, add_args, proc_cpu_seconds, report, selected
+from tests.system.tun_topology import Topology
+
+GIB = 1 << 30
+NODE_CONF = {
+    "a": 'ipv4 = "10.144.144.1/24"\n[mesh]\npeers = ["tcp://172.31.9.2:11010"]\n[tun]\nenable = true\n',
+    "b": 'ipv4 = "10.144.144.2/24"\n[mesh]\nlisten = ["tcp://0.0.0.0:11010"]\npeers = ["tcp://172.31.2.3:11010"]\n'
+         '[tun]\nenable = true\n',
+    "c": 'ipv4 = "10.144.144.3/24"\n[mesh]\nlisten = ["tcp://0.0.0.0:11010"]\n[tun]\nenable = true\n',
+}
+# kernel-only targets: B's and C's veth addresses (A routes C's via B with forwarding on)
+KERNEL_DST = {"b": "172.31.1.2", "c": "172.31.2.3"}
+MESH_DST = {"b": "10.144.144.2", "c": "10.144.144.3"}
+
+
+ET_CONF = {
+    "a": {"ip": "10.144.144.1", "peers": ["tcp://172.31.9.2:11010"], "expect": 2},
+    "b": {"ip": "10.144.144.2", "listen": ["tcp://0.0.0.0:11010"], "peers": ["tcp://172.31.2.3:11010"]},
+    "c": {"ip": "10.144.144.3", "listen": ["tcp://0.0.0.0:11010"]},
+}
+
+
+def easytier_node(spec: dict[str, Any]) -> int:
+    """One EasyTier node in TUN mode, in the foreground until SIGTERM (run inside a namespace)."""
+    import signal
+    import threading
+
+    import easytier_pyo3 as et
+
+    cfg = {
+        "instance_name": spec["name"], "hostname": spec["name"],
+        "network_identity": {"network_name": "bench", "network_secret": "bench-secret"},
+        "ipv4": spec["ip"] + "/24",
+        "listeners": spec.get("listen", []),
+        "peer": [{"uri": u} for u in spec.get("peers", [])],
+        "stun_servers": ["127.0.0.1:3478"], "tcp_stun_servers": ["127.0.0.1:3478"],
+        "stun_servers_v6": ["[::1]:3478"],
+        "flags": {"no_tun": False, "dev_name": "et0", "bind_device": False, "disable_upnp": True},
+    }
+    node = et.Node(cfg)
+    node.start()
+    deadline = time.monotonic() + 60
+    while len(node.routes()) < spec.get("expect", 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(json.dumps({"ready": True, "version": et.version(), "routes": len(node.routes())}), flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    node.stop()
+    return 0
+
+
+@dataclass
+class Setup:
+    name: str
+    mesh: bool
+    loop: str = "uvloop"
+    easytier: bool = False
+    topo: Topology | None = None
+    pids: dict[str, int] = field(default_factory=dict)
+
+    def up(self, workdir: Path, index: int) -> None:
+        t = Topology(f"mgb{index}", workdir / self.name, loop=self.loop)
+        t.workdir.mkdir(parents=True, exist_ok=True)
+        self.topo = t
+        t.build()
+        for role in ("b", "c"):
+            t.spawn(f"iperf-{role}", role, ["iperf3", "-s"])
+        if not self.mesh:
+            t.nsexec("b", "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+            t.ip("c", "route", "add", "172.31.1.0/24", "via", "172.31.2.2")
+            return
+        if self.easytier:
+            for role in ("c", "b", "a"):
+                spec = json.dumps({"name": role, **ET_CONF[role]})
+                self.pids[role] = t.spawn(role, role, [sys.executable, __file__, "--easytier-node", spec]).pid
+        else:
+            for role, text in NODE_CONF.items():
+                t.config(role, text)
+            for role in ("c", "b", "a"):
+                self.pids[role] = t.start_node(role).pid
+        t.wait_ping("a", MESH_DST["c"], timeout=30)
+
+    def down(self) -> None:
+        if self.topo is not None:
+            self.topo.destroy()
+
+    def cpu(self) -> dict[str, float]:
+        out = {}
+        for role, pid in self.pids.items():
+            try:
+                out[role] = proc_cpu_seconds(pid, children=False)
+            except OSError:
+                out[role] = float("nan")
+        return out
+
+    def iperf(self, dst_role: str, udp: bool, seconds: float) -> Metrics:
+        assert self.topo is not None
+        dst = (MESH_DST if self.mesh else KERNEL_DST)[dst_role]
+        argv = ["iperf3", "-c", dst, "-t", str(seconds), "-J"]
+        if udp:
+            argv += ["-u", "-b", "0", "-l", "1200"]
+        before = self.cpu()
+        t0 = time.monotonic()
+        r = self.topo.nsexec("a", *argv, timeout=seconds + 30)
+        wall = time.monotonic() - t0
+        after = self.cpu()
+        try:
+            data: dict[str, Any] = json.loads(r.stdout)
+        except ValueError:
+            raise RuntimeError(f"iperf3 failed: {r.stdout[-500:]} {r.stderr[-500:]}") from None
+        if "error" in data:
+            raise RuntimeError(f"iperf3: {data['error']}")
+        end = data["end"]
+        out: Metrics = {}
+        if udp:
+            s = end["sum"]
+            received = s["packets"] - s["lost_packets"]
+            out["pkt/s"] = received / s["seconds"]
+            out["loss%"] = s["lost_percent"]
+            moved = received * 1200
+        else:
+            s = end["sum_received"]
+            out["MB/s"] = s["bytes"] / s["seconds"] / 1e6
+            moved = s["bytes"]
+        for role in before:
+            out[f"cpu_s/GiB {role.upper()}"] = (after[role] - before[role]) / (moved / GIB) if moved else 0.0
+        out["wall_s"] = wall
+        return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    ap.add_argument("--seconds", type=float, default=5.0, help="iperf3 duration per measurement")
+    ap.add_argument("--easytier-node", metavar="JSON", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.easytier_node:
+        return easytier_node(json.loads(args.easytier_node))
+    candidates = [Setup("kernel", mesh=False), Setup("meshgate", mesh=True),
+                  Setup("meshgate-asyncio", mesh=True, loop="asyncio"),
+                  Setup("easytier", mesh=True, easytier=True)]
+    if importlib.util.find_spec("easytier_pyo3") is None:
+        print("  easytier: easytier-pyo3 is not installed (pip install easytier-pyo3); skipped",
+              file=sys.stderr)
+        candidates.pop()
+    setups = [s for s in candidates if selected(args, s.name)]
+    workdir = Path(tempfile.mkdtemp(prefix="meshgate-bench-tun-"))
+    runners: list[Runner] = []
+    try:
+        live: list[Setup] = []
+        for i, s in enumerate(setups):
+            try:
+                s.up(workdir, i)
+                live.append(s)
+            except Exception as e:  # a variant that cannot start is reported, the others still run
+                print(f"  {s.name} did not start: {e}", file=sys.stderr)
+                s.down()
+        for title, dst, udp in (("TCP 1 hop", "b", False), ("TCP 2 hops", "c", False),
+                                ("UDP 1 hop", "b", True), ("UDP 2 hops", "c", True)):
+            r = Runner(title, rounds=args.rounds, baseline="kernel" if any(s.name == "kernel" for s in live)
+                       else None)
+            for s in live:
+                r.add(s.name, lambda s=s, dst=dst, udp=udp: s.iperf(dst, udp, args.seconds))
+            r.run()
+            runners.append(r)
+    finally:
+        for s in setups:
+            s.down()
+        subprocess.run(["rm", "-rf", str(workdir)], check=False)
+    report(runners, json_path=args.json, ratio_metrics=["MB/s", "pkt/s"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
