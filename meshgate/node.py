@@ -75,7 +75,21 @@ class Node:
             from meshgate import admin
 
             plan.append(admin.build(self))
+        if self.mesh is not None:
+            self._wire_mesh()
         return plan
+
+    def _wire_mesh(self) -> None:
+        """Give mesh-aware routing to what was built without a portal: a node
+        with no SOCKS5 portal still resolves through upstreams on other nodes."""
+        from meshgate.dns.upstream import TcpUpstream
+        from meshgate.gateway.mesh_dialer import MeshDialer
+
+        if self.dialer is None:
+            self.dialer = MeshDialer.for_node(self)
+        for up in getattr(self.resolver, "upstreams", []):
+            if isinstance(up, TcpUpstream):
+                up.node = self
 
     async def start(self) -> None:
         for svc in self._plan():

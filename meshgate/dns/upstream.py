@@ -14,6 +14,7 @@ import socket
 import ssl
 import struct
 from pathlib import Path
+from typing import Any
 
 from meshgate.dns.wire import FLAG_TC
 
@@ -86,15 +87,43 @@ class TcpUpstream(Upstream):
         self.port = port
         self.ssl_ctx = ssl_ctx
         self.sni = sni
+        # Set by the node when it is in a mesh: a plain-TCP upstream at an address
+        # the mesh routes (a resolver on another node's virtual IP or behind its
+        # proxy CIDR) is reached over a mesh stream through the node's dialer.
+        self.node: Any = None
 
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
         return await asyncio.wait_for(self._exchange(wire), timeout)
 
+    def _via_mesh(self) -> Any:
+        node = self.node
+        if node is None or node.mesh is None or node.dialer is None or self.ssl_ctx is not None:
+            return None
+        try:
+            route = node.mesh.lookup(ipaddress.ip_address(self.host))
+        except ValueError:
+            return None
+        return node.dialer if route is not None else None
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        dialer = self._via_mesh()
+        if dialer is None:
+            return await asyncio.open_connection(
+                self.host, self.port, ssl=self.ssl_ctx,
+                server_hostname=self.sni if self.ssl_ctx is not None else None,
+            )
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(loop=loop)
+        try:
+            transport, protocol, _ = await dialer.connect(
+                self.host, self.port, lambda: asyncio.StreamReaderProtocol(reader, loop=loop)
+            )
+        except Exception as e:  # DialError carries the SOCKS-style reason
+            raise UpstreamError(f"{self.url} via the mesh: {e}") from None
+        return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
     async def _exchange(self, wire: bytes) -> bytes:
-        reader, writer = await asyncio.open_connection(
-            self.host, self.port, ssl=self.ssl_ctx,
-            server_hostname=self.sni if self.ssl_ctx is not None else None,
-        )
+        reader, writer = await self._open()
         try:
             writer.write(len(wire).to_bytes(2, "big") + wire)
             while True:

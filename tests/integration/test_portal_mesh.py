@@ -168,3 +168,26 @@ async def test_refused_port_at_far_end_is_0x05(line: dict[str, Node]) -> None:
     with pytest.raises(ProxyError) as ei:
         await portal(line).connect(dest_host="10.144.1.3", dest_port=port, timeout=10)
     assert ei.value.error_code == 0x05
+
+
+async def test_dns_upstream_on_another_node_is_reached_over_the_mesh(tmp_path: Any) -> None:
+    """A node with no route of its own to a resolver at a peer's virtual IP asks it over a mesh
+    stream (the demo portal forwards non-mesh names to the exit this way)."""
+    from tests.helpers import free_port
+
+    dns_port = free_port()
+    b = await start(cfg("b", "10.144.2.2/24", node={"state_dir": str(tmp_path / "b")},
+                        mesh={"listen": ["tcp://127.0.0.1:0"]},
+                        dns={"records": {"far.example.": "192.0.2.7"},
+                             "listener": [{"protocol": "tcp", "listen": f"127.0.0.1:{dns_port}"}]}))
+    a = await start(cfg("a", "10.144.2.1/24", node={"state_dir": str(tmp_path / "a")},
+                        mesh={"peers": [b.mesh.listen_addrs[0]]},
+                        dns={"upstreams": [f"tcp://10.144.2.2:{dns_port}"]}))
+    try:
+        await async_wait_until(lambda: b.mesh.node_id in a.mesh.table.hop_paths, 15, "a route to b")
+        before = routed("peer")
+        assert await a.resolver.resolve_host("far.example") == ["192.0.2.7"]
+        assert routed("peer") == before + 2  # the A and AAAA queries each went over a mesh stream to b
+    finally:
+        await a.stop()
+        await b.stop()
