@@ -15,15 +15,18 @@ from meshgate.config import ExitConfig, IPNetwork, ProxyCidr
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
-# Loopback, link-local, private and other special-purpose ranges (RFC 6890
-# and friends) that an exit must not reach on a user's behalf by default.
+# Loopback, link-local, private, shared (CGNAT), benchmarking, multicast and
+# reserved ranges (RFC 6890): what sits on the exit's own side, which an exit
+# must not reach on a user's behalf by default. The documentation ranges
+# (192.0.2.0/24, 198.51.100.0/24, 203.0.113.0/24, 2001:db8::/32) are left
+# out: they lead nowhere real, and test networks use them as "the internet".
 BUILTIN_DENY: tuple[IPNetwork, ...] = tuple(
     ipaddress.ip_network(n)
     for n in (
         "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
-        "172.16.0.0/12", "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15",
-        "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4",
-        "::/128", "::1/128", "64:ff9b:1::/48", "100::/64", "2001:db8::/32", "fc00::/7",
+        "172.16.0.0/12", "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15",
+        "224.0.0.0/4", "240.0.0.0/4",
+        "::/128", "::1/128", "64:ff9b:1::/48", "100::/64", "fc00::/7",
         "fe80::/10", "fec0::/10", "ff00::/8",
     )
 )
