@@ -59,7 +59,7 @@ class Node:
             # Streams arriving from the mesh leave through the exit/CIDR policy.
             self.mesh.egress_connect = mesh_exit.connector(self)
             plan.append(self.mesh)
-        if cfg.dns.listeners or cfg.dns.upstreams:
+        if cfg.dns.listeners or cfg.dns.upstreams or cfg.dns.records:
             from meshgate.dns import service as dns_service
 
             plan.append(dns_service.build(self))

@@ -1,0 +1,165 @@
+"""SOCKS5 portal over the mesh in real network namespaces (issue: portal over the mesh).
+
+    A ══ B ══ C ══ lan (10.1.2.10)          A and C share no link; only C reaches
+                 ╚═ inet (198.51.100.10)    the lan and the "internet" namespace.
+
+Each node is a separate `meshgate run` process in its namespace. curl (and
+headless Chromium) run inside A's namespace against A's portal; the servers
+answer "NAME|SOURCE" so the test sees who served and from which address.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import require_root, require_tool
+from tests.system.tun_topology import SECRET, Topology
+
+PORT = 8080
+C_VIP = "10.144.7.3"
+
+
+def node_toml(role: str, workdir: Path, vip: str, mesh: str, extra: str = "") -> None:
+    (workdir / f"{role}.toml").write_text(
+        f'[node]\nname = "{role}"\nnetwork = "portaltest"\nsecret = "{SECRET}"\nipv4 = "{vip}/24"\n'
+        f'state_dir = "{workdir / ("state-" + role)}"\n[mesh]\n{mesh}\n'
+        f'[admin]\nlisten = "127.0.0.1:15888"\n{extra}\n'
+    )
+
+
+PORTAL = '[socks5]\nlisten = "127.0.0.1:1080"\n'
+NO_PORTAL = "[socks5]\nenable = false\n"
+C_MESH_EXIT = ('peers = ["tcp://172.31.2.2:11010"]\nexit_node = true\n'
+               'proxy_cidrs = ["10.1.2.0/24", "10.1.2.0/24->10.2.2.0/24"]')
+C_EXTRA = PORTAL + '[dns]\nrecords = { "inet.test." = "198.51.100.10", "sneaky.test." = "172.31.2.2" }\n'
+
+
+@pytest.fixture(scope="module")
+def topo() -> Iterator[Topology]:
+    require_root()
+    require_tool("ip")
+    require_tool("curl")
+    workdir = Path(tempfile.mkdtemp(prefix="portal-netns-"))
+    t = Topology(prefix=f"mgp{int(time.time()) % 100000}", workdir=workdir)
+    try:
+        t.build()
+        py = sys.executable
+        t.spawn("srv-a", "a", [py, "-m", "tests.system.http_probe", "127.0.0.1", str(PORT), "A-local"])
+        t.spawn("srv-c", "c", [py, "-m", "tests.system.http_probe", "127.0.0.1", str(PORT), "C-local"])
+        t.spawn("srv-lan", "lan", [py, "-m", "tests.system.http_probe", "10.1.2.10", str(PORT), "lan"])
+        t.spawn("srv-inet", "inet", [py, "-m", "tests.system.http_probe", "198.51.100.10", str(PORT), "inet"])
+        node_toml("b", workdir, "10.144.7.2", 'listen = ["tcp://0.0.0.0:11010"]', NO_PORTAL)
+        node_toml("c", workdir, C_VIP, C_MESH_EXIT, C_EXTRA)
+        for role in ("b", "c"):
+            t.start_node(role)
+        yield t
+    finally:
+        t.destroy()
+
+
+def start_a(t: Topology, exit_nodes: str) -> None:
+    t.stop("a")
+    mesh = f'peers = ["tcp://172.31.1.2:11010"]\nexit_nodes = {exit_nodes}\ndirect_fallback = false'
+    node_toml("a", t.workdir, "10.144.7.1", mesh, PORTAL)
+    t.start_node("a")
+    wait_route(t, "a", C_VIP)
+
+
+def wait_route(t: Topology, role: str, vip: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = t.nsexec(role, "curl", "-s", "--max-time", "2", "http://127.0.0.1:15888/routes")
+        if f'"{vip}"' in r.stdout:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{role} has no route to {vip}: {t.log(role)}")
+
+
+def curl(t: Topology, url: str, role: str = "a") -> subprocess.CompletedProcess[str]:
+    return t.nsexec(role, "curl", "-sS", "--max-time", "15", "--proxy", "socks5h://127.0.0.1:1080", url)
+
+
+@pytest.fixture(scope="module")
+def a_auto(topo: Topology) -> Topology:
+    start_a(topo, '["auto"]')
+    return topo
+
+
+@pytest.mark.parametrize(
+    "url,expect",
+    [
+        ("http://10.144.7.1:8080/", "A-local|127.0.0.1"),   # A's own virtual IP -> A's loopback
+        ("http://10.144.7.3:8080/", "C-local|127.0.0.1"),   # C's virtual IP, relayed by B
+        ("http://c.mesh.internal:8080/", "C-local|127.0.0.1"),
+        ("http://10.1.2.10:8080/", "lan|10.1.2.1"),          # proxy CIDR: the lan sees C's address
+        ("http://10.2.2.10:8080/", "lan|10.1.2.1"),          # mapped: host bits kept
+        ("http://198.51.100.10:8080/", "inet|198.51.100.1"),  # internet through the auto exit
+        ("http://inet.test:8080/", "inet|198.51.100.1"),      # name resolved on the exit
+    ],
+)
+def test_destinations(a_auto: Topology, url: str, expect: str) -> None:
+    r = curl(a_auto, url)
+    assert r.returncode == 0, f"{r.stderr}\n{a_auto.log('a')}\n{a_auto.log('c')}"
+    assert f">{expect}<" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "url,code",
+    [
+        ("http://172.31.2.2:8080/", 2),    # private address on the exit's own side, no allow_private
+        ("http://sneaky.test:8080/", 2),   # a name that resolves to one on the exit: same answer
+        ("http://10.1.2.10:9/", 5),        # refused at the far end
+    ],
+)
+def test_refusals_reach_curl_as_reply_codes(a_auto: Topology, url: str, code: int) -> None:
+    r = curl(a_auto, url)
+    assert r.returncode == 97, r.stderr  # curl: "proxy handshake error"
+    assert f"error code: {code}" in r.stderr or f"({code})" in r.stderr, r.stderr
+
+
+def test_exit_by_address(topo: Topology) -> None:
+    start_a(topo, f'["{C_VIP}"]')
+    r = curl(topo, "http://198.51.100.10:8080/")
+    assert ">inet|198.51.100.1<" in r.stdout, r.stderr
+
+
+def test_exit_node_is_self_on_cs_own_portal(topo: Topology) -> None:
+    r = curl(topo, "http://198.51.100.10:8080/", role="c")
+    assert ">inet|198.51.100.1<" in r.stdout, r.stderr + topo.log("c")
+
+
+def test_catch_all_proxy_cidr_acts_as_exit(topo: Topology) -> None:
+    topo.stop("c")
+    node_toml("c", topo.workdir, C_VIP,
+              'peers = ["tcp://172.31.2.2:11010"]\nproxy_cidrs = ["10.1.2.0/24", "0.0.0.0/0"]', C_EXTRA)
+    topo.start_node("c")
+    start_a(topo, "[]")
+    try:
+        r = curl(topo, "http://198.51.100.10:8080/")
+        assert ">inet|198.51.100.1<" in r.stdout, r.stderr + topo.log("c")
+        # still an exit under the exit policy, not an owner of everything
+        assert curl(topo, "http://172.31.2.2:8080/").returncode == 97
+    finally:
+        topo.stop("c")
+        node_toml("c", topo.workdir, C_VIP, C_MESH_EXIT, C_EXTRA)
+        topo.start_node("c")
+
+
+def test_chromium_in_as_namespace(a_auto: Topology) -> None:
+    chromium = require_tool("chromium")
+    start_a(a_auto, '["auto"]')
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--proxy-server=socks5://127.0.0.1:1080", "--proxy-bypass-list=<-loopback>"]
+    for url, expect in (("http://10.2.2.10:8080/", "lan|10.1.2.1"), ("http://inet.test:8080/", "inet|")):
+        with tempfile.TemporaryDirectory() as profile:
+            r = a_auto.nsexec("a", chromium, *flags, f"--user-data-dir={profile}", "--dump-dom", url,
+                              timeout=120)
+        assert expect in r.stdout, r.stderr[-1500:]
