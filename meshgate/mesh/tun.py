@@ -38,6 +38,7 @@ log = logging.getLogger("meshgate.mesh.tun")
 _rlog = RateLimitedLog(log)
 
 L3_CHANNEL = 1  # mesh datagram channel carrying raw IP packets (UDP ASSOCIATE uses another)
+L3_VNET_CHANNEL = 3  # IP packets behind a virtio-net header (TUN offloads: GSO super-packets)
 ROUTE_SYNC_INTERVAL = 1.0  # seconds between checks of the mesh route table for proxy-CIDR changes
 READ_SIZE = 65536
 
@@ -54,7 +55,15 @@ _KIND_NAMES = {id(tp.TIME_EXCEEDED): "time_exceeded", id(tp.NO_ROUTE): "no_route
 
 
 class TunPath:
-    """Device <-> mesh packet forwarding over a packet fd (non-blocking). No clock, no awaits."""
+    """Device <-> mesh packet forwarding over a packet fd (non-blocking). No clock, no awaits.
+
+    With `vnet` = 10 the device was opened with IFF_VNET_HDR and TSO/checksum offloads:
+    every read starts with a virtio-net header and may hold a TCP "super-packet" of up to
+    ~64 KB with a partial checksum. Such packets travel whole, header included, on
+    `L3_VNET_CHANNEL` (a mesh frame holds 64 KB; nothing is split in Python) and are
+    written whole into the receiver's device, whose kernel segments or delivers them.
+    Plain packets (channel `L3_CHANNEL`) get a zero header on the way into such a device.
+    """
 
     def __init__(
         self,
@@ -67,6 +76,7 @@ class TunPath:
         egress: bool,
         read_batch: int = 256,
         write_queue: int = 4096,
+        vnet: int = 0,
     ) -> None:
         self.loop = loop
         self.fd = fd
@@ -78,7 +88,10 @@ class TunPath:
         self.egress = egress
         self.read_batch = read_batch
         self.write_queue = write_queue
-        self._out: list[bytes | bytearray] = []
+        self.vnet = vnet
+        self.channel = L3_VNET_CHANNEL if vnet else L3_CHANNEL
+        # each entry: (packet, True if it lacks the device's virtio-net header)
+        self._out: list[tuple[bytes | bytearray | memoryview, bool]] = []
         self._flush_scheduled = False
         self._routes: dict[bytes, int] = {}  # dst -> node id (0: no route); cleared on route changes
         self._routes_version: object = None
@@ -92,6 +105,7 @@ class TunPath:
         os.set_blocking(self.fd, False)
         self._running = True
         self.mesh.on_datagram(L3_CHANNEL, self.on_datagram)
+        self.mesh.on_datagram(L3_VNET_CHANNEL, self.on_vnet_datagram)
         self.loop.add_reader(self.fd, self.on_readable)
 
     def stop(self) -> None:
@@ -99,6 +113,7 @@ class TunPath:
         with contextlib.suppress(Exception):
             self.loop.remove_reader(self.fd)
         self.mesh.on_datagram(L3_CHANNEL, _ignore)
+        self.mesh.on_datagram(L3_VNET_CHANNEL, _ignore)
         self._out.clear()
         for c in (self._out_pkts, self._out_bytes, self._in_pkts, self._in_bytes):
             c.flush()
@@ -116,11 +131,12 @@ class TunPath:
     def on_readable(self) -> None:
         routes = self._route_cache()
         fd = self.fd
+        size = READ_SIZE + self.vnet
         n = 0
         nbytes = 0
         for _ in range(self.read_batch):
             try:
-                pkt = os.read(fd, READ_SIZE)
+                pkt = os.read(fd, size)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:
@@ -136,8 +152,9 @@ class TunPath:
         self._out_bytes.add(nbytes)
 
     def _from_device(self, pkt: bytes, routes: dict[bytes, int]) -> None:
+        off = self.vnet
         try:
-            p = tp.parse(pkt)
+            p = tp.parse(pkt, off)
         except tp.PacketError as e:
             _dropped.labels("malformed_" + e.reason).inc()
             _rlog.debug("malformed-dev", "tun: malformed packet from the device (%s)", e.reason)
@@ -158,33 +175,39 @@ class TunPath:
             _dropped.labels(reason).inc()
             _rlog.debug(f"noroute:{dst.hex()}", "tun: no mesh route to %s (%s)",
                         ipaddress.ip_address(dst), reason)
-            self._icmp_local(pkt, p, tp.NO_ROUTE)
+            self._icmp_local(self._ip(pkt), p, tp.NO_ROUTE)
             return
         if p.ttl <= 1:
             _dropped.labels("ttl_expired").inc()
-            self._icmp_local(pkt, p, tp.TIME_EXCEEDED)
+            self._icmp_local(self._ip(pkt), p, tp.TIME_EXCEEDED)
             return
         buf = bytearray(pkt)
-        tp.decrement_ttl(buf)  # the mesh is one router hop
-        if p.length > self.mtu:
-            self._too_big(buf, p, node, to_mesh=True)
+        tp.decrement_ttl(buf, off)  # the mesh is one router hop
+        # a GSO super-packet is larger than the MTU by design: its segments are not
+        if p.length > self.mtu and not (off and pkt[1] != tp.VNET_GSO_NONE):
+            self._too_big(self._ip(buf), p, node, to_mesh=True)
             return
-        if not self.mesh.send_datagram(node, L3_CHANNEL, buf):
+        if not self.mesh.send_datagram(node, self.channel, buf):
             _dropped.labels("mesh_unreachable").inc()
 
-    def _icmp_local(self, pkt: bytes | bytearray, p: tp.Packet, kind: Any, mtu: int = 0) -> None:
+    def _ip(self, pkt: bytes | bytearray) -> bytes | bytearray | memoryview:
+        """The IP packet without the virtio-net header (error paths only)."""
+        return memoryview(pkt)[self.vnet :] if self.vnet else pkt
+
+    def _icmp_local(self, pkt: bytes | bytearray | memoryview, p: tp.Packet, kind: Any, mtu: int = 0) -> None:
         """An ICMP error from this node to a sender on this side of the device."""
         src = self.own4 if p.version == 4 else self.own6
         err = tp.icmp_error(pkt, p, kind, src, mtu) if src is not None else None
         if err is not None:
             _icmp.labels(_KIND_NAMES[id(kind)]).inc()
-            self._queue_write(err)
+            self._queue_write(err, True)
 
-    def _too_big(self, buf: bytes | bytearray, p: tp.Packet, node: int, to_mesh: bool) -> None:
-        """A packet larger than the device MTU: fragment (IPv4 without DF) or answer with ICMP."""
+    def _too_big(self, ip: bytes | bytearray | memoryview, p: tp.Packet, node: int, to_mesh: bool) -> None:
+        """A packet (`ip`: no virtio header) larger than the device MTU: fragment (IPv4
+        without DF) or answer with ICMP."""
         if not p.dont_fragment:
             try:
-                frags = tp.fragment_v4(buf, p, self.mtu)
+                frags = tp.fragment_v4(ip, p, self.mtu)
             except tp.PacketError as e:
                 _dropped.labels("too_big_" + e.reason).inc()
                 return
@@ -193,17 +216,17 @@ class TunPath:
                 if to_mesh:
                     self.mesh.send_datagram(node, L3_CHANNEL, f)
                 else:
-                    self._queue_write(f)
+                    self._queue_write(f, True)
             return
         _dropped.labels("too_big").inc()
         _rlog.debug(f"toobig:{p.src.hex()}", "tun: %d-byte packet from %s exceeds MTU %d; ICMP sent",
                     p.length, ipaddress.ip_address(p.src), self.mtu)
         if to_mesh:
-            self._icmp_local(buf, p, tp.TOO_BIG, self.mtu)
+            self._icmp_local(ip, p, tp.TOO_BIG, self.mtu)
             return
         # from the mesh: the sender is behind node `node`; answer it there
         src = self.own4 if p.version == 4 else self.own6
-        err = tp.icmp_error(buf, p, tp.TOO_BIG, src, self.mtu) if src is not None else None
+        err = tp.icmp_error(ip, p, tp.TOO_BIG, src, self.mtu) if src is not None else None
         if err is not None:
             _icmp.labels("too_big").inc()
             self.mesh.send_datagram(node, L3_CHANNEL, err)
@@ -211,31 +234,60 @@ class TunPath:
     # ------------------------------------------------------------ mesh -> device
 
     def on_datagram(self, src_node: int, payload: bytes) -> None:
+        """A plain IP packet (channel L3_CHANNEL)."""
+        p = self._accept(src_node, payload, 0)
+        if p is None:
+            return
+        if p.length > self.mtu:
+            self._too_big(payload, p, src_node, to_mesh=False)
+            return
+        self._queue_write(payload, True)
+
+    def on_vnet_datagram(self, src_node: int, payload: bytes) -> None:
+        """A virtio-net header + IP packet (channel L3_VNET_CHANNEL), possibly a GSO super-packet."""
+        if len(payload) < tp.VNET_HDR_LEN:
+            _dropped.labels("malformed_short_vnet").inc()
+            return
+        p = self._accept(src_node, payload, tp.VNET_HDR_LEN)
+        if p is None:
+            return
+        offloaded = payload[1] != tp.VNET_GSO_NONE
+        if not offloaded and p.length > self.mtu:
+            self._too_big(memoryview(payload)[tp.VNET_HDR_LEN :], p, src_node, to_mesh=False)
+            return
+        if self.vnet:
+            self._queue_write(payload, False)
+        elif offloaded or payload[0] & tp.VNET_F_NEEDS_CSUM:
+            # this device has no offloads: a super-packet or partial checksum cannot go in as is
+            _dropped.labels("offload_unsupported").inc()
+            _rlog.debug(f"vnet:{src_node}", "tun: offloaded packet from node %08x, device has no offloads",
+                        src_node)
+        else:
+            self._queue_write(memoryview(payload)[tp.VNET_HDR_LEN :], True)
+
+    def _accept(self, src_node: int, payload: bytes, off: int) -> tp.Packet | None:
         try:
-            p = tp.parse(payload)
+            p = tp.parse(payload, off)
         except tp.PacketError as e:
             _dropped.labels("malformed_" + e.reason).inc()
             _rlog.debug(f"malformed:{src_node}", "tun: malformed packet from node %08x (%s)", src_node,
                         e.reason)
-            return
+            return None
         dst = p.dst
         if not (dst == self.own4 or dst == self.own6 or self.egress):
             # a node that serves no proxy CIDR and no exit forwards nothing for others
             _dropped.labels("not_ours").inc()
             _rlog.debug(f"notours:{src_node}", "tun: node %08x sent a packet for %s, which this node does"
                         " not serve", src_node, ipaddress.ip_address(dst))
-            return
-        if p.length > self.mtu:
-            self._too_big(payload, p, src_node, to_mesh=False)
-            return
-        self._queue_write(payload)
+            return None
+        return p
 
-    def _queue_write(self, pkt: bytes | bytearray) -> None:
+    def _queue_write(self, pkt: bytes | bytearray | memoryview, plain: bool) -> None:
         if len(self._out) >= self.write_queue:
             _dropped.labels("write_queue_full").inc()
             _rlog.debug("wq", "tun: write queue full (limits.tun_write_queue = %d)", self.write_queue)
             return
-        self._out.append(pkt)
+        self._out.append((pkt, plain))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
@@ -247,11 +299,15 @@ class TunPath:
         if not self._running:
             return
         fd = self.fd
+        zero = (tp.VNET_ZERO,) if self.vnet else ()
         nbytes = 0
         sent = 0
-        for pkt in out:
+        for pkt, plain in out:
             try:
-                os.write(fd, pkt)
+                if plain and zero:
+                    os.writev(fd, (*zero, pkt))  # one packet: header and body gathered by the kernel
+                else:
+                    os.write(fd, pkt)
             except BlockingIOError:
                 _dropped.labels("device_busy").inc()
                 continue
@@ -294,13 +350,14 @@ def remote_cidrs(routes: list[dict[str, Any]], own_id: str, own: list[IPNetwork]
 class TunService:
     name = "tun"
 
-    def __init__(self, node: Any, opener: Callable[[str], tuple[Any, int]] | None = None) -> None:
+    def __init__(self, node: Any, opener: Callable[[str], tuple[Any, int, int]] | None = None) -> None:
         self.node = node
         self.cfg: Config = node.config
         self.tun_name = self.cfg.tun.name
         self.net = tr.NetConfig(self.cfg.state_path / f"tun-{self.tun_name}.json")
         self.opener = opener or _open_tun
         self.device: Any = None
+        self.vnet = 0
         self.path: TunPath | None = None
         self.routes: dict[IPNetwork, tuple[tr.Command, tr.Command]] = {}
         self.notes: list[str] = []
@@ -320,7 +377,7 @@ class TunService:
         if recovered:
             self.notes.append(f"undid {recovered} route/firewall changes left by a previous run")
         try:
-            self.device, fd = self.opener(self.tun_name)
+            self.device, fd, self.vnet = self.opener(self.tun_name)
         except Exception as e:  # pytun.Error, OSError: no /dev/net/tun, no CAP_NET_ADMIN, name taken
             raise StartupError(f"tun.name: cannot create TUN device {self.tun_name!r}: {e}") from None
         try:
@@ -329,6 +386,7 @@ class TunService:
                 asyncio.get_running_loop(), fd, mesh,
                 cfg.node.ipv4.ip if cfg.node.ipv4 else None, cfg.node.ipv6.ip if cfg.node.ipv6 else None,
                 cfg.tun.mtu, tr.is_egress(cfg), cfg.limits.tun_read_batch, cfg.limits.tun_write_queue,
+                self.vnet,
             )
             self.path.start()
             if tr.is_egress(cfg):
@@ -351,6 +409,8 @@ class TunService:
         cfg, t = self.cfg, self.tun_name
         run = self.net.run
         steps: list[tr.Command] = [("ip", "link", "set", "dev", t, "mtu", str(cfg.tun.mtu))]
+        if self.vnet:
+            steps.append(("ip", "link", "set", "dev", t, "gso_max_size", str(GSO_MAX_SIZE)))
         if cfg.node.ipv4 is not None:
             steps.append(("ip", "-4", "addr", "add", str(cfg.node.ipv4), "dev", t))
         if cfg.node.ipv6 is not None:
@@ -413,6 +473,7 @@ class TunService:
         return {
             "device": self.tun_name,
             "mtu": self.cfg.tun.mtu,
+            "offload": bool(self.vnet),
             "routes": sorted(str(n) for n in self.routes),
             "exit": bool(self.cfg.mesh.exit_nodes),
             "egress": tr.is_egress(self.cfg),
@@ -436,11 +497,27 @@ async def _peer_addresses(cfg: Config) -> list[str]:
     return out
 
 
-def _open_tun(name: str) -> tuple[Any, int]:
+TUNSETOFFLOAD = 0x400454D0
+TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6, TUN_F_TSO_ECN = 0x01, 0x02, 0x04, 0x08
+GSO_MAX_SIZE = 60000  # a super-packet plus headers must fit one mesh frame (64 KB)
+
+
+def _open_tun(name: str) -> tuple[Any, int, int]:
+    """Open the device with TSO/checksum offloads (virtio-net header) if the kernel allows,
+    else plain. Returns (device, fd, virtio header length: 10 or 0)."""
+    import fcntl
+
     import pytun  # Linux only; imported here so the module loads anywhere
 
+    dev = pytun.TunTapDevice(name=name, flags=pytun.IFF_TUN | pytun.IFF_NO_PI | pytun.IFF_VNET_HDR)
+    try:
+        fcntl.ioctl(dev.fileno(), TUNSETOFFLOAD, TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6 | TUN_F_TSO_ECN)
+        return dev, dev.fileno(), tp.VNET_HDR_LEN
+    except OSError as e:
+        log.info("tun: no TSO offload on %s (%s); one packet per read", name, e.strerror)
+        dev.close()
     dev = pytun.TunTapDevice(name=name, flags=pytun.IFF_TUN | pytun.IFF_NO_PI)
-    return dev, dev.fileno()
+    return dev, dev.fileno(), 0
 
 
 def build(node: Any) -> TunService:

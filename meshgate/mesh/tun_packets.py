@@ -37,6 +37,13 @@ IPV4_MIN_MTU = 68
 # RFC 1812 4.3.2.3: an ICMPv4 error quotes as much as fits in 576 bytes.
 ICMPV4_ERROR_MAX = 576
 
+# virtio-net header in front of every packet on a TUN opened with IFF_VNET_HDR (offloads):
+# flags u8, gso_type u8, hdr_len u16, gso_size u16, csum_start u16, csum_offset u16 (host order)
+VNET_HDR_LEN = 10
+VNET_F_NEEDS_CSUM = 0x01  # the transport checksum is partial: csum_start/csum_offset say where
+VNET_GSO_NONE = 0
+VNET_ZERO = bytes(VNET_HDR_LEN)  # a plain, fully checksummed packet
+
 _V4 = struct.Struct("!BBHHHBBH4s4s")
 _V6 = struct.Struct("!IHBB16s16s")
 _ICMP_HEAD = struct.Struct("!BBHI")  # type, code, checksum, rest-of-header (u32)
@@ -70,16 +77,19 @@ class Packet(NamedTuple):  # a NamedTuple: built per packet, ~5x cheaper than a 
     first_fragment: bool  # offset 0 (IPv6: no fragment header is looked for: always True)
 
 
-def parse(pkt: bytes | bytearray | memoryview) -> Packet:
-    """Validate and describe one IP packet; raises PacketError."""
-    n = len(pkt)
+def parse(pkt: bytes | bytearray | memoryview, off: int = 0) -> Packet:
+    """Validate and describe the IP packet at `pkt[off:]`; raises PacketError.
+
+    `off` skips a virtio-net header (TUN offloads) without copying the packet.
+    """
+    n = len(pkt) - off
     if n < 1:
         raise PacketError("empty")
-    version = pkt[0] >> 4
+    version = pkt[off] >> 4
     if version == 4:
         if n < IPV4_HEADER:
             raise PacketError("short_header")
-        vihl, _tos, total, _ident, frag, ttl, proto, _csum, src, dst = _V4.unpack_from(pkt)
+        vihl, _tos, total, _ident, frag, ttl, proto, _csum, src, dst = _V4.unpack_from(pkt, off)
         hlen = (vihl & 0x0F) * 4
         if hlen < IPV4_HEADER:
             raise PacketError("bad_header_length")
@@ -89,7 +99,7 @@ def parse(pkt: bytes | bytearray | memoryview) -> Packet:
     if version == 6:
         if n < IPV6_HEADER:
             raise PacketError("short_header")
-        _vtcfl, plen, nxt, hop, src, dst = _V6.unpack_from(pkt)
+        _vtcfl, plen, nxt, hop, src, dst = _V6.unpack_from(pkt, off)
         if plen + IPV6_HEADER > n:
             raise PacketError("bad_total_length")
         if plen == 0 and nxt == 0:
@@ -120,27 +130,30 @@ def icmpv6_checksum(src: bytes, dst: bytes, message: bytes | bytearray) -> int:
     return checksum(message, _pseudo6(src, dst, len(message), PROTO_ICMPV6))
 
 
-def decrement_ttl(pkt: bytearray) -> int:
-    """Decrement TTL/hop limit in place (IPv4 checksum patched, RFC 1624); returns the new value.
+def decrement_ttl(pkt: bytearray, off: int = 0) -> int:
+    """Decrement TTL/hop limit of the packet at `pkt[off:]` in place (IPv4 checksum patched,
+    RFC 1624); returns the new value.
 
     The caller checks the TTL first: a packet whose TTL is 0 or 1 is answered
-    with Time Exceeded instead of being decremented.
+    with Time Exceeded instead of being decremented. Transport checksums do not
+    cover the TTL, so a partial (offloaded) TCP/UDP checksum stays valid.
     """
-    if pkt[0] >> 4 == 4:
-        old_word = (pkt[8] << 8) | pkt[9]
-        pkt[8] -= 1
-        new_word = (pkt[8] << 8) | pkt[9]
+    if pkt[off] >> 4 == 4:
+        t = off + 8
+        old_word = (pkt[t] << 8) | pkt[t + 1]
+        pkt[t] -= 1
+        new_word = (pkt[t] << 8) | pkt[t + 1]
         # HC' = ~(~HC + ~m + m')
-        hc = (pkt[10] << 8) | pkt[11]
+        hc = (pkt[off + 10] << 8) | pkt[off + 11]
         s = (~hc & 0xFFFF) + (~old_word & 0xFFFF) + new_word
         s = (s & 0xFFFF) + (s >> 16)
         s = (s & 0xFFFF) + (s >> 16)
         hc = ~s & 0xFFFF
-        pkt[10] = hc >> 8
-        pkt[11] = hc & 0xFF
-        return pkt[8]
-    pkt[7] -= 1
-    return pkt[7]
+        pkt[off + 10] = hc >> 8
+        pkt[off + 11] = hc & 0xFF
+        return pkt[t]
+    pkt[off + 7] -= 1
+    return pkt[off + 7]
 
 
 # --------------------------------------------------------------------------- ICMP errors

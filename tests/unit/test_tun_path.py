@@ -18,7 +18,7 @@ import pytest
 
 from meshgate.mesh import tun_packets as tp
 from meshgate.mesh.routing import Route
-from meshgate.mesh.tun import L3_CHANNEL, TunPath, remote_cidrs
+from meshgate.mesh.tun import L3_CHANNEL, L3_VNET_CHANNEL, TunPath, remote_cidrs
 from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
 from tests.unit.test_tun_packets import A4, A6, B4, B6, icmp_echo, ipv4, ipv6, ref_sum
@@ -254,3 +254,59 @@ def test_remote_cidrs() -> None:
     own = [ipaddress.ip_network("10.9.0.0/16")]
     got = remote_cidrs(routes, "0000000a", own)
     assert got == {ipaddress.ip_network("10.2.2.0/24"), ipaddress.ip_network("fd00:2::/64")}
+
+
+# --------------------------------------------------------------------------- TUN offloads (virtio-net header)
+
+GSO_TCPV4 = 1
+
+
+def vnet_hdr(gso: int = 0, flags: int = 0, gso_size: int = 0) -> bytes:
+    return struct.pack("<BBHHHH", flags, gso, 40, gso_size, 20, 16)
+
+
+async def test_offload_super_packet_travels_whole(pair: Any) -> None:
+    dev, host = pair
+    mesh = FakeMesh(routes_by_ip={C4: PEER})
+    path = make_path(dev, mesh, vnet=tp.VNET_HDR_LEN)
+    hdr = vnet_hdr(GSO_TCPV4, tp.VNET_F_NEEDS_CSUM, 1340)
+    big = ipv4(B4, C4, tp.PROTO_TCP, b"s" * 20000)  # far above the MTU: the kernel segments it later
+    host.send(hdr + big)
+    await async_wait_until(lambda: len(mesh.sent) == 1)
+    node, ch, out = mesh.sent[0]
+    assert (node, ch) == (PEER, L3_VNET_CHANNEL)
+    assert out[:10] == hdr and out[10 + 8] == 63 and out[10 + 20:] == big[20:]
+    assert ref_sum(out[10:30]) == 0xFFFF
+    # a non-GSO packet above the MTU is still answered with ICMP, behind a zero header
+    host.send(vnet_hdr() + ipv4(B4, C4, tp.PROTO_UDP, b"u" * 1400, df=True))
+    err = await recv(host)
+    assert err[:10] == tp.VNET_ZERO and (err[30], err[31]) == (3, 4)
+    path.stop()
+
+
+async def test_offload_device_receives_both_channels(pair: Any) -> None:
+    dev, host = pair
+    mesh = FakeMesh()
+    path = make_path(dev, mesh, vnet=tp.VNET_HDR_LEN)
+    plain = ipv4(C4, B4, tp.PROTO_UDP, b"p" * 8)
+    mesh.handlers[L3_CHANNEL](PEER, plain)
+    assert await recv(host) == tp.VNET_ZERO + plain  # zero header gathered in by writev
+    sup = vnet_hdr(GSO_TCPV4, tp.VNET_F_NEEDS_CSUM, 1340) + ipv4(C4, B4, tp.PROTO_TCP, b"t" * 9000)
+    mesh.handlers[L3_VNET_CHANNEL](PEER, sup)
+    assert await recv(host) == sup
+    path.stop()
+
+
+async def test_plain_device_strips_or_refuses_offloaded_packets(pair: Any) -> None:
+    dev, host = pair
+    before = dropped("offload_unsupported")
+    mesh = FakeMesh()
+    path = make_path(dev, mesh, vnet=0)
+    plain = ipv4(C4, B4, tp.PROTO_UDP, b"p" * 8)
+    mesh.handlers[L3_VNET_CHANNEL](PEER, vnet_hdr() + plain)
+    assert await recv(host) == plain
+    mesh.handlers[L3_VNET_CHANNEL](PEER, vnet_hdr(GSO_TCPV4, 1, 1340) + ipv4(C4, B4, 6, b"t" * 3000))
+    assert dropped("offload_unsupported") == before + 1
+    mesh.handlers[L3_VNET_CHANNEL](PEER, b"\x00" * 5)
+    assert dropped("malformed_short_vnet") >= 1
+    path.stop()
