@@ -1,6 +1,6 @@
 """TUN data path end to end: three `meshgate run` processes in network namespaces A — B — C.
 
-C proxies a LAN (plain 10.1.2.0/24 and mapped as 10.2.2.0/24), is an exit to an
+C proxies a LAN (plain 10.1.2.0/24 and fd12::/64, mapped as 10.2.2.0/24 and fd22::/64), is an exit to an
 "internet" namespace (documentation addresses that exist only in these
 namespaces; 198.51.100.99 is in C's exit.deny), and its TUN MTU (1280) is
 smaller than A's (1380), so A's large packets get ICMP "too big" from C. A
@@ -47,7 +47,7 @@ C_CONF = """ipv4 = "10.144.144.3/24"
 ipv6 = "fd00:144::3/64"
 [mesh]
 listen = ["tcp://0.0.0.0:11010"]
-proxy_cidrs = ["10.1.2.0/24", "10.1.2.0/24->10.2.2.0/24"]
+proxy_cidrs = ["10.1.2.0/24", "10.1.2.0/24->10.2.2.0/24", "fd12::/64", "fd12::/64->fd22::/64"]
 exit_node = true
 [exit]
 allow_private = true          # the test "internet" uses documentation ranges
@@ -71,7 +71,8 @@ def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
         t.config("b", B_CONF)
         t.config("c", C_CONF)
         t.spawn("lan-echo", "lan", ["python3", "-m", "tests.system.tun_tools", "echo-server",
-                                    "--tcp", f"0.0.0.0:{PORT}", "--udp", f"0.0.0.0:{PORT}"])
+                                    "--tcp", f"0.0.0.0:{PORT},[::]:{PORT}",
+                                    "--udp", f"0.0.0.0:{PORT},[::]:{PORT}"])
         t.spawn("inet-echo", "inet", ["python3", "-m", "tests.system.tun_tools", "echo-server",
                                       "--tcp", f"0.0.0.0:{PORT},[::]:{PORT}", "--udp", f"0.0.0.0:{PORT}"])
         for role in ("c", "b", "a"):
@@ -111,6 +112,13 @@ def test_lan_through_proxy_cidr_plain_and_mapped(topo: Topology) -> None:
         assert r["reply"] == f"10.1.2.1|tcp-{dst}-" + "x" * 3000  # masqueraded to C's LAN address
         u = topo.tool("a", "udp", dst, PORT, f"udp-{dst}")
         assert u == {"ok": True, "reply": f"10.1.2.1|udp-{dst}"}
+    wait_until(lambda: "fd22::/64" in topo.ip("a", "-6", "route", "show", "proto", "77").stdout, timeout=10,
+               what="IPv6 proxy-CIDR routes on A")
+    for dst in ("fd12::10", "fd22::10"):  # IPv6, plain and mapped
+        r = topo.tool("a", "tcp", dst, PORT, f"tcp6-{dst}-" + "y" * 5000)
+        assert r["ok"] and r["reply"] == f"fd12::1|tcp6-{dst}-" + "y" * 5000, r
+        u = topo.tool("a", "udp", dst, PORT, f"udp6-{dst}")
+        assert u == {"ok": True, "reply": f"fd12::1|udp6-{dst}"}
 
 
 def test_large_packets_get_icmp_too_big_from_smaller_mtu(topo: Topology) -> None:
