@@ -135,13 +135,13 @@ class Pipeline:
             self._memo.clear()
             self._memo_until = now + LOCAL_MEMO_SECONDS
         ans = self._memo.get(key)
-        if ans is not None:
-            return ans
-        ans = self._local(q)
-        if ans is not None:
-            self._memo[key] = ans
-            return ans
-        return self.cache.get(key, now)
+        if ans is None:
+            ans = self._local(q)
+            # Remember "not ours" too, so cache hits skip the zone/records checks.
+            self._memo[key] = ans if ans is not None else _NOT_LOCAL
+        if ans is _NOT_LOCAL or ans is None:
+            return self.cache.get(key, now)
+        return ans
 
     # ------------------------------------------------------------------ upstreams
 
@@ -234,6 +234,9 @@ class Pipeline:
         if self.pooled and size <= BUFFER_CAPACITY:
             return self.pool.get()
         return Buffer(max(size, 1024), BUFFER_HEADROOM)  # one-off: pool None, recycle is a no-op
+
+
+_NOT_LOCAL = Answer(b"", (), (), 0, 0)  # memo marker: neither zone nor static record
 
 
 def _label_boundary(name: bytes, at: int) -> bool:
