@@ -28,6 +28,7 @@ from typing import Any
 from meshgate.logs import RateLimitedLog
 from meshgate.mesh.frames import (
     FLAG_OPENER,
+    MAX_BODY,
     STREAM_ACCEPT,
     STREAM_DATA,
     STREAM_FIN,
@@ -54,7 +55,8 @@ CODE_NAMES = {
     HOST_UNREACHABLE: "host unreachable", REFUSED: "connection refused", TTL_EXPIRED: "TTL expired / timeout",
 }
 
-MAX_DATA = 32 * 1024  # bytes of payload per DATA frame
+SID_SIZE = 4
+MAX_DATA = MAX_BODY - SID_SIZE  # payload per DATA frame: one frame fills one sealed record
 
 OPEN = struct.Struct("!IIHB")  # sid, window, port, host length; then host
 ACCEPT = struct.Struct("!II")  # sid, window

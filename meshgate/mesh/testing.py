@@ -6,7 +6,7 @@ import asyncio
 import itertools
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from meshgate.config import Config, LimitsConfig, from_dict
 from meshgate.mesh.service import MeshService
@@ -74,8 +74,8 @@ class Collector(asyncio.Protocol):
         self.writable.set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        transport = self.transport
         if self.pause:
             transport.pause_reading()
 
