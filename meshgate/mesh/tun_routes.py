@@ -314,17 +314,20 @@ class NetConfig:
         f.write_text(value + "\n")
 
     async def teardown(self) -> None:
-        """Undo everything, newest first; errors are logged, not raised (best effort, always finishes)."""
-        while self.undo:
-            cmd = self.undo.pop()
-            rc, err = await self.run(cmd, None)
-            if rc != 0:
-                log.debug("tun: undo %s: %s", " ".join(cmd), err)
+        """Undo everything, newest first; errors are logged, not raised (best effort, always finishes).
+
+        Forwarding goes off before the firewall table goes away, never the other way round.
+        """
         for path, old in self.sysctls.items():
             try:
                 (self.sysctl_root / path).write_text(old + "\n")
             except OSError as e:
                 log.warning("tun: cannot restore %s to %s: %s", path, old, e.strerror)
         self.sysctls = {}
+        while self.undo:
+            cmd = self.undo.pop()
+            rc, err = await self.run(cmd, None)
+            if rc != 0:
+                log.debug("tun: undo %s: %s", " ".join(cmd), err)
         with contextlib.suppress(OSError):
             self.state_file.unlink()
