@@ -53,6 +53,8 @@ _packets = REGISTRY.counter("meshgate_tun_packets_total", "IP packets through th
 _bytes = REGISTRY.counter("meshgate_tun_bytes_total", "Bytes of IP packets through the TUN device",
                           ("direction",))
 _dropped = REGISTRY.counter("meshgate_tun_dropped_total", "IP packets the TUN path dropped", ("reason",))
+_fragmented = REGISTRY.counter("meshgate_tun_fragmented_total",
+                               "IPv4 packets without DF split to fit the device MTU")
 _icmp = REGISTRY.counter("meshgate_tun_icmp_sent_total", "ICMP errors the TUN path generated", ("kind",))
 _routes_gauge = REGISTRY.gauge("meshgate_tun_routes", "Proxy-CIDR routes installed via the TUN device")
 
@@ -194,7 +196,7 @@ class TunPath:
             self._too_big(self._ip(buf), p, node, to_mesh=True)
             return
         if not self.mesh.send_datagram(node, self.channel, buf):
-            _dropped.labels("mesh_unreachable").inc()
+            _dropped.labels("mesh_refused").inc()  # no route or a congested link: the mesh counts which
 
     def _ip(self, pkt: bytes | bytearray) -> bytes | bytearray | memoryview:
         """The IP packet without the virtio-net header (error paths only)."""
@@ -217,7 +219,7 @@ class TunPath:
             except tp.PacketError as e:
                 _dropped.labels("too_big_" + e.reason).inc()
                 return
-            _dropped.labels("fragmented").inc()  # counted: the original left as several packets
+            _fragmented.inc()
             for f in frags:
                 if to_mesh:
                     self.mesh.send_datagram(node, L3_CHANNEL, f)

@@ -100,6 +100,16 @@ async def test_device_to_mesh_routes_by_destination_and_decrements_ttl(pair: Any
     path.stop()
 
 
+async def test_mesh_refusal_is_counted(pair: Any) -> None:
+    dev, host = pair
+    mesh = FakeMesh(routes_by_ip={C4: PEER}, accept=False)  # no route / congested link
+    before = dropped("mesh_refused")
+    path = make_path(dev, mesh)
+    host.send(ipv4(B4, C4, tp.PROTO_UDP, b"\x00" * 8))
+    await async_wait_until(lambda: dropped("mesh_refused") == before + 1)
+    path.stop()
+
+
 async def test_route_cache_follows_table_version(pair: Any) -> None:
     dev, host = pair
     mesh = FakeMesh(routes_by_ip={C4: PEER})
@@ -216,7 +226,9 @@ async def test_too_big_from_mesh_answers_sender_node(pair: Any) -> None:
     assert struct.unpack_from("!H", err, 26)[0] == 1280
     # IPv4 without DF is fragmented instead and written to the device
     nodf = ipv4(C4, B4, tp.PROTO_UDP, bytes(range(256)) * 6, df=False)
+    frag0 = REGISTRY.value("meshgate_tun_fragmented_total")
     mesh.handlers[L3_CHANNEL](PEER, nodf)
+    assert REGISTRY.value("meshgate_tun_fragmented_total") == frag0 + 1
     frags = [await recv(host), await recv(host)]
     assert all(len(f) <= 1280 for f in frags)
     assert b"".join(f[20:] for f in frags) == nodf[20:]
