@@ -60,6 +60,7 @@ class Link(asyncio.Protocol):
         self.bytes_in = 0
         self.bytes_out = 0
         self.bytes_reported = (0, 0)
+        self.drops_reported = (0, 0, 0)  # replayed, forged, malformed already counted
         self.write_paused = False
         self._failed = False
 

@@ -56,6 +56,7 @@ from meshgate.mesh.routing import (
 )
 from meshgate.mesh.streams import (
     GENERAL_FAILURE,
+    NETWORK_UNREACHABLE,
     RESET,
     TTL_EXPIRED,
     MeshStream,
@@ -343,7 +344,7 @@ class MeshService:
                     self._forget_link(link)
                     continue
                 self._send_ping(link)
-                self._report_bytes(link)
+                self._report_counters(link)
         self.table.expire(now)
         self._sync()
         if self._running:
@@ -360,8 +361,18 @@ class MeshService:
         link._failed = True
         self._update_neighbours()
 
-    def _report_bytes(self, link: Link) -> None:
+    def _report_counters(self, link: Link) -> None:
+        """Per-link byte counts and the codec's drop counts, flushed once per tick."""
         assert link.peer is not None
+        codec = link.codec
+        seen = link.drops_reported
+        now_drops = (codec.replayed, codec.forged, codec.malformed)
+        for reason, new, old in zip(("replayed", "forged", "malformed"), now_drops, seen, strict=True):
+            if new > old:
+                _records_dropped.labels(reason).inc(new - old)
+                self.stats[f"records_{reason}"] += new - old
+                _rlog.debug(f"{reason}:{link.url}", "%d %s records from %s", new - old, reason, link.url)
+        link.drops_reported = now_drops
         bin_, bout = link.bytes_reported
         label = f"{link.peer.node_id:08x}"
         if link.bytes_in > bin_:
@@ -460,20 +471,29 @@ class MeshService:
             _frames_dropped.labels("hop_limit").inc()
             self.stats["hop_limit"] += 1
             _rlog.debug(f"hop:{src}", "frame %08x->%08x hit the hop limit", src, dst)
-            if ftype == STREAM_OPEN and len(body) >= 4:
-                sid = struct.unpack_from("!I", body)[0]
-                self.send(STREAM_RESET, 0, src, RESET.pack(sid, TTL_EXPIRED), b"")
+            self._refuse_relayed_open(ftype, src, dst, body, TTL_EXPIRED)
             return
         out = self._route_link(dst, flags)
         if out is None:
             _frames_dropped.labels("no_route").inc()
             _rlog.debug(f"noroute:{dst}", "no route to %08x for a frame from %08x", dst, src)
+            self._refuse_relayed_open(ftype, src, dst, body, NETWORK_UNREACHABLE)
             return
         if ftype == DATAGRAM and out.buffered() > self.link_buffer:
             _datagrams.labels("dropped_congested").inc()
             return
         _forwarded.inc()
         out.send_frame(ftype, flags, hop - 1, src, dst, body)
+
+    def _refuse_relayed_open(self, ftype: int, src: int, dst: int, body: memoryview, code: int) -> None:
+        """A relay that cannot deliver an OPEN answers for the destination, so the
+        opener's stream (keyed by the destination's id) fails now instead of timing out."""
+        if ftype != STREAM_OPEN or len(body) < 4:
+            return
+        back = self._route_link(src, 0)
+        if back is not None:
+            sid = struct.unpack_from("!I", body)[0]
+            back.send_frame(STREAM_RESET, 0, DEFAULT_HOP_LIMIT, dst, src, RESET.pack(sid, code))
 
     def _route_link(self, dst: int, flags: int) -> Link | None:
         paths = self.table.lat_paths if flags & FLAG_LATENCY else self.table.hop_paths

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 
+from meshgate.mesh.frames import RECORD, RECORD_EXTRA
 from meshgate.mesh.link_ring import RingTransport
 from meshgate.mesh.service import MeshService
 from meshgate.mesh.testing import converged, node_config, ring_name, start_node, stop_all
@@ -197,3 +198,24 @@ async def test_least_hop_and_least_latency_choose_different_paths() -> None:
         assert b.stats is not None
     finally:
         await stop_all(nodes)
+
+
+async def test_forged_records_on_a_live_link_are_dropped_and_counted() -> None:
+    r = ring_name()
+    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"]), 1)
+    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r}"]), 2)
+    try:
+        await async_wait_until(lambda: converged([a, b]), 10, "routes")
+        transport = b.links[1][0].transport
+        assert isinstance(transport, RingTransport)
+        body = bytes(64)
+        for counter in (10_000, 10_001, 10_002):  # well-formed headers, garbage ciphertext
+            transport.write(RECORD.pack(len(body) + RECORD_EXTRA, 0, counter) + body)
+        await async_wait_until(lambda: a.stats["records_forged"] == 3, 5, "forgeries counted")
+        got: list[bytes] = []
+        a.on_datagram(9, lambda src, p: got.append(p))
+        assert b.send_datagram(1, 9, b"still up")
+        await async_wait_until(lambda: got == [b"still up"], 5, "link survives")
+        assert REGISTRY.value("meshgate_mesh_records_dropped_total", "forged") >= 3
+    finally:
+        await stop_all([a, b])
