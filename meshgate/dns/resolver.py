@@ -65,7 +65,7 @@ class Pipeline:
             upstreams = [parse_upstream(u) for u in urls]
         self.upstreams = upstreams
         self._preferred = 0
-        self._pending: dict[tuple[bytes, int, int], asyncio.Future[Answer]] = {}
+        self._pending: dict[tuple[bytes, int, int], asyncio.Task[Answer]] = {}
         self.inflight = 0
         self._memo: dict[tuple[bytes, int, int], Answer] = {}
         self._memo_until = 0.0
@@ -155,22 +155,30 @@ class Pipeline:
             return None
         self.inflight += 1
         try:
-            fut = self._pending.get(key)
-            if fut is not None:
-                return await asyncio.shield(fut)  # coalesce identical questions
-            fut = asyncio.get_running_loop().create_future()
-            self._pending[key] = fut
-            try:
-                ans = await self._ask_upstreams(q)
-            except Exception as e:  # never let one query's failure escape to a listener
-                rlog.debug("resolve", "dns: resolving %s failed: %r", wire.decode_name(q.name), e)
-                ans = wire.build_answer(q.question, wire.SERVFAIL, aa=False)
-            finally:
-                del self._pending[key]
-            fut.set_result(ans)
-            return ans
+            fetch = self._pending.get(key)
+            if fetch is None:
+                # The upstream exchange is its own task: a client that goes away (its
+                # listener task cancelled) neither cancels it for the other clients
+                # waiting on the same question nor loses the answer for the cache.
+                fetch = asyncio.get_running_loop().create_task(self._fetch(q, key))
+                self._pending[key] = fetch
+            return await asyncio.shield(fetch)  # coalesce identical questions
         finally:
             self.inflight -= 1
+
+    async def _fetch(self, q: Query, key: tuple[bytes, int, int]) -> Answer:
+        try:
+            return await self._ask_upstreams(q)
+        except Exception as e:  # never let one query's failure escape to a listener
+            rlog.debug("resolve", "dns: resolving %s failed: %r", wire.decode_name(q.name), e)
+            return wire.build_answer(q.question, wire.SERVFAIL, aa=False)
+        finally:
+            self._pending.pop(key, None)
+
+    def close(self) -> None:
+        """Cancel upstream exchanges still running (service stop)."""
+        for fetch in list(self._pending.values()):
+            fetch.cancel()
 
     async def _ask_upstreams(self, q: Query) -> Answer:
         key = (q.name, q.qtype, q.qclass)

@@ -131,6 +131,7 @@ class DnsService:
                     await asyncio.wait_for(wait(), 2.0)
         self._closers.clear()
         self._conn_sets.clear()
+        self.pipeline.close()
 
     def status(self) -> dict[str, Any]:
         notes = list(self.urls)

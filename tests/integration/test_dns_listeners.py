@@ -83,7 +83,7 @@ async def env(tmp_path: Any, auth: LocalAuthority) -> AsyncIterator[Env]:
     await e.svc.stop()
 
 
-async def dnspython_query(env: Env, scheme: str, q: dns.message.Message, timeout: float = 3.0,
+async def dnspython_query(env: Env, scheme: str, q: dns.message.Message, timeout: float = 10.0,
                           post: bool = True) -> dns.message.Message:
     host, port = env.hp(scheme)
     if scheme == "udp":
@@ -582,7 +582,7 @@ async def test_overload_drop_on_every_listener(tmp_path: Any, auth: LocalAuthori
     env = await start_env(tmp_path, auth, dns_max_inflight=1)
     try:
         slow = dns.message.make_query("slow0.example.test", "A")
-        first = asyncio.create_task(dnspython_query(env, "tcp", slow))
+        first = asyncio.create_task(dnspython_query(env, "tcp", slow, timeout=60))  # held until release
         await async_wait_until(lambda: env.svc.pipeline.inflight == 1)
         for scheme in SCHEMES:
             q = dns.message.make_query(f"slow-{scheme}.example.test", "A")

@@ -306,3 +306,17 @@ def test_upstream_urls() -> None:
     assert parse_upstream("udp://[::1]:5353").port == 5353  # type: ignore[attr-defined]
     assert parse_upstream("quic://127.0.0.1").port == 853  # type: ignore[attr-defined]
     assert parse_upstream("https://127.0.0.1/dns-query").url == "https://127.0.0.1/dns-query"
+
+
+async def test_a_client_going_away_does_not_cancel_the_shared_upstream_query(authority: LocalAuthority) -> None:
+    p = make_pipeline(make_config([authority.url]))
+    first = asyncio.create_task(p.resolve(query("slow5.example.test")))
+    second = asyncio.create_task(p.resolve(query("slow5.example.test")))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    first.cancel()  # e.g. its TCP client disconnected and the listener cancelled its task
+    authority.release.set()
+    ans = await second
+    assert ans is not None and ans.rcode == wire.NOERROR
+    assert p.lookup(query("slow5.example.test"), asyncio.get_running_loop().time()) is not None  # cached
+    assert authority.queries["slow5.example.test."] == 1 and p.inflight == 0
