@@ -41,6 +41,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
@@ -195,15 +196,19 @@ class Peer:
     pid_file: str | None = None  # daemons that fork (dante) tell us their real pid here
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _cpu0: float = field(default=0.0, init=False)
+    _log: Any = field(default=None, init=False)
 
     def start(self, timeout: float = 15.0) -> Peer:
         env = dict(os.environ, **(self.env or {}))
+        # Output goes to a file, never an undrained pipe: a chatty peer (microsocks
+        # logs every connection) would block on a full pipe and stall the benchmark.
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the peer
         self.proc = subprocess.Popen(
             list(self.argv),
             env=env,
             cwd=self.cwd,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, so stop() reaches its workers
         )
         try:
@@ -216,9 +221,10 @@ class Peer:
         return self
 
     def _stderr_tail(self) -> str:
-        if self.proc is None or self.proc.stderr is None or self.proc.poll() is None:
-            return "(still running)"
-        return self.proc.stderr.read().decode(errors="replace")[-2000:]
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return bytes(self._log.read()).decode(errors="replace")[-2000:] or "(no output)"
 
     @property
     def pid(self) -> int:
@@ -247,8 +253,9 @@ class Peer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         self.proc = None
 
     def __enter__(self) -> Peer:
