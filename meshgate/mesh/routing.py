@@ -16,6 +16,7 @@ No sockets, no clock: callers pass `now` (seconds, monotonic) where time matters
 
 from __future__ import annotations
 
+import functools
 import heapq
 import ipaddress
 import logging
@@ -72,6 +73,11 @@ class Record:
         )
 
     def encode(self) -> bytes:
+        return self.encoded
+
+    @functools.cached_property
+    def encoded(self) -> bytes:
+        """Encoded once: a record is flooded to every neighbour, unchanged."""
         name = self.name.encode()[:255]
         flags = (_F_EXIT if self.exit else 0) | (_F_V4 if self.ipv4 else 0) | (_F_V6 if self.ipv6 else 0)
         out = bytearray(_HEAD.pack(self.origin, self.session, self.version, flags, len(name)))
@@ -138,33 +144,55 @@ def decode_record(data: bytes | memoryview, pos: int = 0) -> tuple[Record, int]:
 
 
 def encode_records(records: Iterable[Record], max_size: int) -> list[bytes]:
-    """Pack records into bodies of at most `max_size` bytes: u16 count, then records."""
+    """Pack records into bodies of at most `max_size` bytes: u16 count, then
+    (u16 length, record) each; the length lets a receiver skip a record it
+    already holds after reading only its header."""
     bodies: list[bytes] = []
     cur: list[bytes] = []
     size = 2
     for r in records:
         enc = r.encode()
-        if cur and size + len(enc) > max_size:
+        if cur and size + 2 + len(enc) > max_size:
             bodies.append(len(cur).to_bytes(2, "big") + b"".join(cur))
             cur, size = [], 2
-        cur.append(enc)
-        size += len(enc)
+        cur.append(len(enc).to_bytes(2, "big") + enc)
+        size += 2 + len(enc)
     if cur:
         bodies.append(len(cur).to_bytes(2, "big") + b"".join(cur))
     return bodies
 
 
-def decode_records(body: bytes | memoryview) -> list[Record]:
+def split_records(body: bytes | memoryview) -> list[tuple[int, int, int, bytes | memoryview]]:
+    """(origin, session, version, encoded record) per record, headers only."""
     if len(body) < 2:
         raise RecordError("truncated record list")
     count = int.from_bytes(bytes(body[:2]), "big")
     pos, out = 2, []
+    end = len(body)
     for _ in range(count):
-        rec, pos = decode_record(body, pos)
-        out.append(rec)
-    if pos != len(body):
+        if end - pos < 2:
+            raise RecordError("truncated record length")
+        n = int.from_bytes(bytes(body[pos : pos + 2]), "big")
+        pos += 2
+        if n < _HEAD.size or end - pos < n:
+            raise RecordError("bad record length")
+        origin, session, version, _, _ = _HEAD.unpack_from(body, pos)
+        out.append((origin, session, version, body[pos : pos + n]))
+        pos += n
+    if pos != end:
         raise RecordError("trailing bytes after records")
     return out
+
+
+def decode_one(data: bytes | memoryview) -> Record:
+    rec, pos = decode_record(data)
+    if pos != len(data):
+        raise RecordError("record length mismatch")
+    return rec
+
+
+def decode_records(body: bytes | memoryview) -> list[Record]:
+    return [decode_one(enc) for _, _, _, enc in split_records(body)]
 
 
 _ACK = struct.Struct("!IQ")
@@ -200,7 +228,8 @@ class PathInfo:
 @dataclass
 class _NeighbourSync:
     acked: dict[int, int] = field(default_factory=dict)  # origin -> version
-    sent: dict[int, tuple[int, float]] = field(default_factory=dict)  # origin -> (version, when)
+    sent: dict[int, tuple[int, float]] = field(default_factory=dict)  # origin -> (version, when), unacked
+    pending: set[int] = field(default_factory=set)  # origins changed since we last sent them
 
 
 class RouteTable:
@@ -246,18 +275,42 @@ class RouteTable:
         self.local = new
         self.records[self.node_id] = new
         self.dirty = True
+        self._changed(self.node_id)
         return True
+
+    def _changed(self, origin: int) -> None:
+        for sync in self._sync.values():
+            sync.pending.add(origin)
 
     # ------------------------------------------------------------ neighbours
 
     def neighbour_up(self, nid: int) -> None:
         """A link to `nid` is established: forget what it acknowledged (full resync)."""
-        self._sync[nid] = _NeighbourSync()
+        self._sync[nid] = _NeighbourSync(pending=set(self.records))
 
     def neighbour_down(self, nid: int) -> None:
         self._sync.pop(nid, None)
 
     # ------------------------------------------------------------ sync
+
+    def receive_body(self, from_nid: int, body: bytes | memoryview, now: float) -> list[tuple[int, int]]:
+        """A ROUTES body: records we already hold are acknowledged without decoding
+        (flooding delivers each version once per neighbour). Raises RecordError."""
+        acks: list[tuple[int, int]] = []
+        fresh: list[Record] = []
+        sync = self._sync.get(from_nid)
+        for origin, session, version, enc in split_records(body):
+            old = self.records.get(origin)
+            held = old is not None and (version, session) <= (old.version, old.session)
+            if held and origin != self.node_id:
+                acks.append((origin, version))
+                if sync is not None and sync.acked.get(origin, -1) < version:
+                    sync.acked[origin] = version
+                continue
+            fresh.append(decode_one(enc))
+        if fresh:
+            acks.extend(self.receive_records(from_nid, fresh, now))
+        return acks
 
     def receive_records(self, from_nid: int, records: Iterable[Record], now: float) -> list[tuple[int, int]]:
         """Store newer records; returns the acks to send back."""
@@ -290,6 +343,7 @@ class RouteTable:
                 _dropped.labels("stale").inc()
                 continue
             self.records[rec.origin] = rec
+            self._changed(rec.origin)
             if old is None or not rec.same_content(old):
                 self.dirty = True
         return acks
@@ -301,15 +355,27 @@ class RouteTable:
         for origin, version in acks:
             if sync.acked.get(origin, -1) < version:
                 sync.acked[origin] = version
+            sent = sync.sent.get(origin)
+            if sent is not None and sent[0] <= version:
+                del sync.sent[origin]
 
     def records_to_send(self, nid: int, now: float) -> list[Record]:
         """Records `nid` has not acknowledged (and not been sent recently)."""
         sync = self._sync.get(nid)
         if sync is None:
             return []
+        # only what changed since the last call, plus unacknowledged sends past their time
+        # (no scan of the whole table per neighbour per tick)
+        candidates = sync.pending
+        sync.pending = set()
+        for origin, (_, when) in sync.sent.items():
+            if now - when >= self.resend_after:
+                candidates.add(origin)
         out = []
-        for origin, rec in self.records.items():
-            if origin == nid or sync.acked.get(origin, -1) >= rec.version:
+        records = self.records
+        for origin in candidates:
+            rec = records.get(origin)
+            if rec is None or origin == nid or sync.acked.get(origin, -1) >= rec.version:
                 continue
             sent = sync.sent.get(origin)
             if sent is not None and sent[0] >= rec.version and now - sent[1] < self.resend_after:

@@ -50,7 +50,6 @@ from meshgate.mesh.routing import (
     Route,
     RouteTable,
     decode_acks,
-    decode_records,
     encode_acks,
     encode_records,
 )
@@ -85,6 +84,7 @@ _datagrams = REGISTRY.counter("meshgate_mesh_datagrams_total", "Mesh datagrams",
 _forwarded = REGISTRY.counter("meshgate_mesh_frames_forwarded_total", "Frames relayed for other nodes")
 
 OPEN_TIMEOUT = 10.0
+MIN_BUILD_INTERVAL = 0.05  # seconds between route builds while records keep changing
 
 
 def load_node_id(state_dir: Path) -> int:
@@ -146,6 +146,9 @@ class MeshService:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tick_handle: asyncio.TimerHandle | None = None
         self._sync_scheduled = False
+        self._last_build = -1e9
+        self._build_interval = MIN_BUILD_INTERVAL
+        self._build_timer: asyncio.TimerHandle | None = None
         self._reachable: set[int] = {self.node_id}
         self.listen_addrs: list[str] = []
         self.stats: collections.Counter[str] = collections.Counter()  # per-instance, for tests and status
@@ -191,6 +194,8 @@ class MeshService:
         self._running = False
         if self._tick_handle is not None:
             self._tick_handle.cancel()
+        if self._build_timer is not None:
+            self._build_timer.cancel()
         for name, factory in self._rings:
             link_ring.unlisten(name, factory)
         self._rings.clear()
@@ -402,14 +407,35 @@ class MeshService:
 
     def _sync(self) -> None:
         self._sync_scheduled = False
-        if self.table.build():
-            self.table.mark_unreachable(self.loop.time())
-            reachable = set(self.table.hop_paths)
-            if self.mux is not None:
-                for gone in self._reachable - reachable:
-                    self.mux.drop_peer(gone)
-            self._reachable = reachable
         now = self.loop.time()
+        if self.table.dirty:
+            # While records pour in (a mesh forming, a flap), build at most once per
+            # interval: the first change after a quiet spell still builds at once.
+            wait = self._last_build + self._build_interval - now
+            if wait <= 0:
+                self._build(now)
+            elif self._build_timer is None:
+                self._build_timer = self.loop.call_later(wait, self._build_later)
+        self._flood(now)
+
+    def _build_later(self) -> None:
+        self._build_timer = None
+        if self.table.dirty:
+            self._build(self.loop.time())
+
+    def _build(self, now: float) -> None:
+        t0 = time.perf_counter()
+        self.table.build()
+        self._last_build = now
+        self._build_interval = max(MIN_BUILD_INTERVAL, 10 * (time.perf_counter() - t0))
+        self.table.mark_unreachable(now)
+        reachable = set(self.table.hop_paths)
+        if self.mux is not None:
+            for gone in self._reachable - reachable:
+                self.mux.drop_peer(gone)
+        self._reachable = reachable
+
+    def _flood(self, now: float) -> None:
         for nid in list(self.links):
             records = self.table.records_to_send(nid, now)
             if not records:
@@ -423,12 +449,11 @@ class MeshService:
     def _on_routes(self, link: Link, body: memoryview) -> None:
         assert link.peer is not None
         try:
-            records = decode_records(body)
+            acks = self.table.receive_body(link.peer.node_id, body, self.loop.time())
         except RecordError as e:
             _frames_dropped.labels("bad_routes").inc()
             _rlog.debug(f"routes:{link.url}", "bad route records from %s: %s", link.url, e)
             return
-        acks = self.table.receive_records(link.peer.node_id, records, self.loop.time())
         if acks:
             link.send_frame(ROUTE_ACK, 0, 1, self.node_id, link.peer.node_id, encode_acks(acks))
         self._schedule_sync()
@@ -498,6 +523,12 @@ class MeshService:
     def _route_link(self, dst: int, flags: int) -> Link | None:
         paths = self.table.lat_paths if flags & FLAG_LATENCY else self.table.hop_paths
         p = paths.get(dst)
+        if p is None and self.table.dirty:
+            # a build is being held back (records still arriving), but someone needs
+            # this route now (e.g. the reply to an OPEN from a node we just heard of)
+            self._build(self.loop.time())
+            paths = self.table.lat_paths if flags & FLAG_LATENCY else self.table.hop_paths
+            p = paths.get(dst)
         if p is None or p.hops == 0:
             return None
         return self._best_link(p.next_hop)
@@ -598,7 +629,9 @@ class MeshService:
         if stream.closed:
             transport.abort()
             return
-        self.mux.accept(stream)
+        if not self.mux.accept(stream):
+            transport.abort()
+            return
         stream.attach(SplicePipe(transport))
 
     # ------------------------------------------------------------------ queries

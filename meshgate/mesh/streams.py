@@ -439,9 +439,14 @@ class StreamMux:
             raise StreamError(NETWORK_UNREACHABLE, "no route to the node")
         return stream, fut
 
-    def accept(self, stream: MeshStream) -> None:
-        """Egress connected: send ACCEPT with our receive window."""
-        self.send(STREAM_ACCEPT, 0, stream.peer, ACCEPT.pack(stream.sid, stream.window), b"")
+    def accept(self, stream: MeshStream) -> bool:
+        """Egress connected: send ACCEPT with our receive window (False: no route back)."""
+        if self.send(STREAM_ACCEPT, 0, stream.peer, ACCEPT.pack(stream.sid, stream.window), b""):
+            return True
+        stream.closed = True
+        self.remove(stream)
+        _streams_total.labels("egress", "no_route_back").inc()
+        return False
 
     def refuse(self, stream: MeshStream, code: int) -> None:
         self.send(STREAM_RESET, 0, stream.peer, RESET.pack(stream.sid, code), b"")

@@ -144,3 +144,23 @@ async def test_datagrams_through_the_relay(line: list[MeshService]) -> None:
     await async_wait_until(lambda: len(got) == 20, 5, "datagrams")
     assert got == [(A, p) for p in payloads]
     assert not a.send_datagram(0x4242, 7, b"x")  # no route: refused, counted
+
+
+async def test_stream_opened_the_moment_a_route_appears() -> None:
+    """The far node may still be holding back a route build when the OPEN arrives;
+    its ACCEPT must find the way back anyway."""
+    r = ring_name()
+    c = await start_node(node_config("c", "10.9.0.3/24", listen=[f"ring://{r}"]), C)
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[f"ring://{r}"]), A)
+    srv, port, _ = await _exchange_server()
+    try:
+        await async_wait_until(lambda: C in a.table.hop_paths, 10, "a's route to c")
+        transport, proto = await a.open_stream(C, "127.0.0.1", port, Collector)
+        assert isinstance(proto, Collector)
+        transport.write(b"x")  # type: ignore[attr-defined]
+        transport.write_eof()  # type: ignore[attr-defined]
+        got = await asyncio.wait_for(proto.done, 10)
+        assert got[:32] == hashlib.sha256(b"x").digest()
+    finally:
+        srv.close()
+        await stop_all([a, c])

@@ -1,0 +1,467 @@
+"""Mesh core benchmark: streams, datagrams, convergence, route rebuilds.
+
+Sections (each one table, medians of alternating rounds via bench/common.py):
+
+* **stream**: one mesh stream uploads SIZE MiB (default 512) to a sink on the
+  far node's loopback, over TCP links between processes: this process is the
+  client node A; relay B and far node C are `meshgate run` child processes;
+  the sink is a child process too. `direct` is plain loopback TCP to the same
+  sink in the same run. Reported: MB/s, CPU seconds per GiB for every
+  meshgate process (A, B, C summed, and per node), peak RSS of B and C.
+  Also the in-process ring (all nodes in this process, one core).
+* **datagram**: 1,400-byte datagrams A->B (one hop) and A->B->C (two hops),
+  in-process, over ring and TCP links: delivered packets/s, loss, and
+  tracemalloc blocks/bytes per datagram.
+* **routing**: graph rebuild time for 50/200/1,000-node random graphs
+  (sans-I/O RouteTable.build), and convergence time of N in-process
+  services joined by ring links (50 and 200 nodes).
+
+    .venv/bin/python bench/mesh.py [--size MiB] [--rounds N] [--only stream,datagram,routing] [--json FILE]
+
+EasyTier is not run here (see the report in the issue note): its figures on
+this machine, through its own SOCKS5 portal, are ~44-49 MB/s one hop and
+~28-31 MB/s two hops (../shared/notes/reference-mesh.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import gc
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (
+    Metrics,
+    Runner,
+    add_args,
+    free_port,
+    proc_cpu_seconds,
+    proc_peak_rss_kib,
+    report,
+    self_cpu_seconds,
+    wait_port,
+)
+from meshgate.mesh.routing import Record, RouteTable
+from meshgate.mesh.service import MeshService
+from meshgate.mesh.testing import Collector, converged, node_config, ring_name, stop_all
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+GIB = 1 << 30
+IDS = {"a": 0xA0000001, "b": 0xB0000002, "c": 0xC0000003}
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+def run(coro: Any) -> Any:
+    loop = new_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+# --------------------------------------------------------------------------- sink (child process)
+
+
+def serve_sink(port: int) -> None:
+    """Reads each connection to EOF, answers the byte count, closes."""
+
+    class Sink(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.t = transport
+            self.n = 0
+
+        def data_received(self, data: bytes) -> None:
+            self.n += len(data)
+
+        def eof_received(self) -> bool:
+            self.t.write(str(self.n).encode())  # type: ignore[attr-defined]
+            self.t.close()
+            return True
+
+    loop = new_loop()
+    loop.run_until_complete(loop.create_server(Sink, "127.0.0.1", port))
+    loop.run_forever()
+
+
+# --------------------------------------------------------------------------- stream over processes
+
+
+class Children:
+    """Relay B and far node C as `meshgate run` processes, plus the sink."""
+
+    def __init__(self) -> None:
+        self.tmp = tempfile.TemporaryDirectory(prefix="meshbench-")
+        self.sink_port = free_port()
+        self.b_port, self.c_port = free_port(), free_port()
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _node(self, name: str, ip: str, port: int, peers: list[int]) -> subprocess.Popen[bytes]:
+        state = Path(self.tmp.name) / name
+        state.mkdir()
+        (state / "mesh-node-id").write_text(f"{IDS[name]:08x}\n")
+        peer_list = ", ".join(f'"tcp://127.0.0.1:{p}"' for p in peers)
+        cfg = Path(self.tmp.name) / f"{name}.toml"
+        cfg.write_text(
+            f'[node]\nname = "{name}"\nnetwork = "bench"\nsecret = "bench secret"\nipv4 = "{ip}/24"\n'
+            f'state_dir = "{state}"\n[mesh]\nlisten = ["tcp://127.0.0.1:{port}"]\npeers = [{peer_list}]\n'
+            f"[socks5]\nenable = false\n[admin]\nenable = false\n"
+        )
+        return subprocess.Popen(
+            [sys.executable, "-m", "meshgate", "run", "-c", str(cfg), "--log-level", "warning"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+    def start(self) -> None:
+        self.procs["sink"] = subprocess.Popen(
+            [sys.executable, __file__, "--sink", str(self.sink_port)], stdout=subprocess.DEVNULL
+        )
+        self.procs["b"] = self._node("b", "10.99.0.2", self.b_port, [])
+        self.procs["c"] = self._node("c", "10.99.0.3", self.c_port, [self.b_port])
+        for port in (self.sink_port, self.b_port, self.c_port):
+            wait_port("127.0.0.1", port, 20)
+
+    def cpu(self, name: str) -> float:
+        return proc_cpu_seconds(self.procs[name].pid)
+
+    def rss_mib(self, name: str) -> float:
+        return proc_peak_rss_kib(self.procs[name].pid) / 1024
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.tmp.cleanup()
+
+
+async def _upload(transport: Any, proto: Collector, size: int) -> float:
+    block = os.urandom(MIB)
+    t0 = time.perf_counter()
+    sent = 0
+    while sent < size:
+        await proto.writable.wait()
+        transport.write(block)
+        sent += len(block)
+    transport.write_eof()
+    got = await asyncio.wait_for(proto.done, 300)
+    elapsed = time.perf_counter() - t0
+    if int(got or b"0") != size:
+        raise RuntimeError(f"sink counted {got!r}, sent {size}")
+    return elapsed
+
+
+def stream_direct(ch: Children, size: int) -> Metrics:
+    async def go() -> float:
+        loop = asyncio.get_running_loop()
+        transport, proto = await loop.create_connection(Collector, "127.0.0.1", ch.sink_port)
+        return await _upload(transport, proto, size)
+
+    cpu0 = self_cpu_seconds()
+    elapsed = run(go())
+    return {"MB/s": size / elapsed / 1e6, "A_cpu_s/GiB": (self_cpu_seconds() - cpu0) / (size / GIB)}
+
+
+def stream_mesh(ch: Children, size: int, hops: int) -> Metrics:
+    peer = ch.c_port if hops == 1 else ch.b_port
+
+    async def go() -> float:
+        cfg = node_config("a", "10.99.0.1/24", peers=[f"tcp://127.0.0.1:{peer}"], network="bench",
+                          secret="bench secret")
+        a = MeshService(cfg, node_id=IDS["a"])
+        await a.start()
+        try:
+            deadline = time.monotonic() + 20
+            while IDS["c"] not in a.table.hop_paths or a.table.hop_paths[IDS["c"]].hops != hops:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no {hops}-hop route to c")
+                await asyncio.sleep(0.02)
+            # c's own virtual IP: its egress policy maps that to its loopback
+            transport, proto = await a.open_stream(IDS["c"], "10.99.0.3", ch.sink_port, Collector)
+            assert isinstance(proto, Collector)
+            return await _upload(transport, proto, size)
+        finally:
+            await a.stop()
+
+    names = ["b", "c"] if hops == 2 else ["c"]
+    cpu0 = {n: ch.cpu(n) for n in names}
+    a0 = self_cpu_seconds()
+    elapsed = run(go())
+    gib = size / GIB
+    out: Metrics = {"MB/s": size / elapsed / 1e6, "A_cpu_s/GiB": (self_cpu_seconds() - a0) / gib}
+    for n in names:
+        out[f"{n.upper()}_cpu_s/GiB"] = (ch.cpu(n) - cpu0[n]) / gib
+    out["cpu_s/GiB_total"] = sum(v for k, v in out.items() if k.endswith("_cpu_s/GiB"))
+    out["B_rss_MiB" if hops == 2 else "C_rss_MiB"] = ch.rss_mib(names[0])
+    return out
+
+
+def stream_ring(size: int, hops: int) -> Metrics:
+    """All nodes and the sink in this process: one core does everything."""
+
+    async def go() -> float:
+        class Sink(asyncio.Protocol):
+            def connection_made(self, t: asyncio.BaseTransport) -> None:
+                self.t, self.n = t, 0
+
+            def data_received(self, d: bytes) -> None:
+                self.n += len(d)
+
+            def eof_received(self) -> bool:
+                self.t.write(str(self.n).encode())  # type: ignore[attr-defined]
+                self.t.close()
+                return True
+
+        loop = asyncio.get_running_loop()
+        srv = await loop.create_server(Sink, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        rings = [ring_name("bench") for _ in range(hops)]
+        nodes = []
+        for i in range(hops + 1):
+            cfg = node_config(f"n{i}", listen=[f"ring://{rings[i]}"] if i < hops else [],
+                              peers=[f"ring://{rings[i - 1]}"] if i else [])
+            n = MeshService(cfg, node_id=i + 1)
+            await n.start()
+            nodes.append(n)
+        try:
+            while not converged(nodes):
+                await asyncio.sleep(0.01)
+            transport, proto = await nodes[0].open_stream(hops + 1, "127.0.0.1", port, Collector)
+            assert isinstance(proto, Collector)
+            return await _upload(transport, proto, size)
+        finally:
+            await stop_all(nodes)
+            srv.close()
+
+    cpu0 = self_cpu_seconds()
+    elapsed = run(go())
+    return {"MB/s": size / elapsed / 1e6, "cpu_s/GiB_total": (self_cpu_seconds() - cpu0) / (size / GIB)}
+
+
+# --------------------------------------------------------------------------- datagrams (in-process)
+
+
+async def _datagram_mesh(kind: str, hops: int) -> tuple[list[MeshService], int]:
+    nodes: list[MeshService] = []
+    prev: str | None = None
+    for i in range(hops + 1):
+        if kind == "ring":
+            name = ring_name("dg")
+            listen = [f"ring://{name}"]
+        else:
+            listen = ["tcp://127.0.0.1:0"]
+        cfg = node_config(f"n{i}", listen=listen, peers=[prev] if prev else [])
+        n = MeshService(cfg, node_id=i + 1)
+        await n.start()
+        prev = n.listen_addrs[0]
+        nodes.append(n)
+    while not converged(nodes):
+        await asyncio.sleep(0.01)
+    return nodes, hops + 1
+
+
+async def _blast(nodes: list[MeshService], dst: int, seconds: float, burst: int = 64) -> tuple[int, int]:
+    received = 0
+
+    def on(src: int, payload: bytes) -> None:
+        nonlocal received
+        received += 1
+
+    nodes[-1].on_datagram(5, on)
+    payload = os.urandom(1400)
+    sent = 0
+    src = nodes[0]
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while loop.time() < end:
+        for _ in range(burst):
+            if src.send_datagram(dst, 5, payload):
+                sent += 1
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.2)  # let the last bursts land
+    return sent, received
+
+
+def datagram_rate(kind: str, hops: int, seconds: float) -> Metrics:
+    async def go() -> Metrics:
+        nodes, dst = await _datagram_mesh(kind, hops)
+        try:
+            cpu0, t0 = self_cpu_seconds(), time.perf_counter()
+            sent, received = await _blast(nodes, dst, seconds)
+            elapsed = time.perf_counter() - t0 - 0.2
+            cpu = self_cpu_seconds() - cpu0
+            # allocations per datagram, in a separate traced burst
+            gc.collect()
+            tracemalloc.start()
+            snap0 = tracemalloc.take_snapshot()
+            _s2, r2 = await _blast(nodes, dst, 0.3)
+            snap1 = tracemalloc.take_snapshot()
+            tracemalloc.stop()
+            diff = snap1.compare_to(snap0, "filename")
+            n = max(1, r2)
+            return {
+                "pkts/s": received / elapsed,
+                "MB/s": received * 1400 / elapsed / 1e6,
+                "loss_%": 100 * (sent - received) / max(1, sent),
+                "cpu_us/pkt": cpu / max(1, received) * 1e6,
+                "held_B/pkt": sum(d.size_diff for d in diff if d.size_diff > 0) / n,
+                "held_blocks/pkt": sum(d.count_diff for d in diff if d.count_diff > 0) / n,
+            }
+        finally:
+            await stop_all(nodes)
+
+    out: Metrics = run(go())
+    return out
+
+
+# --------------------------------------------------------------------------- routing
+
+
+def random_graph(n: int, degree: int, seed: int = 1) -> dict[int, list[tuple[int, int]]]:
+    rng = random.Random(seed)
+    adj: dict[int, dict[int, int]] = {i: {} for i in range(n)}
+    for i in range(1, n):
+        j = rng.randrange(i)
+        lat = rng.randint(1, 50) * 1000
+        adj[i][j] = adj[j][i] = lat
+    extra = n * (degree - 2) // 2
+    for _ in range(extra):
+        a, b = rng.sample(range(n), 2)
+        lat = rng.randint(1, 50) * 1000
+        adj[a][b] = adj[b][a] = lat
+    return {i: sorted(v.items()) for i, v in adj.items()}
+
+
+def rebuild_time(n: int) -> Metrics:
+    adj = random_graph(n, 4)
+    t = RouteTable(Record(0, 1, 1, "n0", neighbours=tuple(adj[0])), max_records=n + 1)
+    others = [Record(i, 1, 1, f"n{i}", neighbours=tuple(adj[i])) for i in range(1, n)]
+    t.receive_records(adj[0][0][0], others, 0)
+    times = []
+    for _ in range(5):
+        t.dirty = True
+        t0 = time.perf_counter()
+        t.build()
+        times.append(time.perf_counter() - t0)
+    assert len(t.hop_paths) == n
+    return {"rebuild_ms": statistics.median(times) * 1000}
+
+
+def convergence_time(n: int) -> Metrics:
+    adj = random_graph(n, 3, seed=n)
+
+    async def go() -> Metrics:
+        names = {i: ring_name("conv") for i in range(n)}
+        nodes = []
+        t0 = time.perf_counter()
+        cpu0 = self_cpu_seconds()
+        for i in range(n):
+            peers = [f"ring://{names[j]}" for j, _ in adj[i] if j < i]
+            cfg = node_config(f"n{i}", listen=[f"ring://{names[i]}"], peers=peers)
+            svc = MeshService(cfg, node_id=i + 1)
+            await svc.start()
+            nodes.append(svc)
+        started = time.perf_counter()
+        ids = {s.node_id for s in nodes}
+        try:
+            while not all(len(s.table.hop_paths) == n for s in nodes):
+                await asyncio.sleep(0.01)
+                if time.perf_counter() - started > 120:
+                    raise RuntimeError("no convergence in 120 s")
+            done = time.perf_counter()
+            assert all(ids == set(s.table.hop_paths) for s in nodes)
+            return {
+                "converge_s": done - t0,
+                "after_last_start_s": done - started,
+                "cpu_s": self_cpu_seconds() - cpu0,
+            }
+        finally:
+            await stop_all(nodes)
+
+    result: Metrics = run(go())
+    return result
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p, rounds=3)
+    p.add_argument("--size", type=int, default=512, help="MiB per stream run")
+    p.add_argument("--seconds", type=float, default=2.0, help="seconds per datagram run")
+    p.add_argument("--sink", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.sink:
+        serve_sink(args.sink)
+        return
+    sections = {s.strip() for s in (args.only or "stream,datagram,routing").split(",")}
+    size = args.size * MIB
+    runners: list[Runner] = []
+
+    if "stream" in sections:
+        ch = Children()
+        ch.start()
+        try:
+            r = Runner(f"stream upload {args.size} MiB, TCP links between processes", args.rounds, "direct")
+            r.add("direct", lambda: stream_direct(ch, size))
+            r.add("mesh-1hop", lambda: stream_mesh(ch, size, 1))
+            r.add("mesh-2hop", lambda: stream_mesh(ch, size, 2))
+            r.run()
+            runners.append(r)
+        finally:
+            ch.stop()
+        r = Runner(f"stream upload {args.size} MiB, ring links, all nodes in one process", args.rounds)
+        r.add("ring-1hop", lambda: stream_ring(size, 1))
+        r.add("ring-2hop", lambda: stream_ring(size, 2))
+        r.run()
+        runners.append(r)
+
+    if "datagram" in sections:
+        r = Runner("datagrams of 1,400 bytes, in-process", args.rounds)
+        for kind in ("ring", "tcp"):
+            for hops in (1, 2):
+                r.add(f"{kind}-{hops}hop", functools.partial(datagram_rate, kind, hops, args.seconds))
+        r.run()
+        runners.append(r)
+
+    if "routing" in sections:
+        r = Runner("route rebuild (one graph build, both policies)", args.rounds)
+        for n in (50, 200, 1000):
+            r.add(f"{n} nodes", functools.partial(rebuild_time, n))
+        r.run()
+        runners.append(r)
+        r = Runner("convergence, N services on ring links in one process", 1)
+        for n in (50, 200):
+            r.add(f"{n} nodes", functools.partial(convergence_time, n))
+        r.run()
+        runners.append(r)
+
+    report(runners, json_path=args.json, ratio_metrics=["MB/s"])
+
+
+if __name__ == "__main__":
+    main()
