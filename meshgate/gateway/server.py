@@ -126,6 +126,7 @@ class ClientProtocol(asyncio.Protocol):
         self._active = False  # any traffic since the last idle check
         self._client_eof = False
         self._upstream_eof = False
+        self._held: list[bytes] = []  # destination data that arrived before our reply
         self._connect_task: asyncio.Task[None] | None = None
         self._bytes_in = LocalCounter(_BYTES_IN, _BYTES_FLUSH)
         self._bytes_out = LocalCounter(_BYTES_OUT, _BYTES_FLUSH)
@@ -205,7 +206,8 @@ class ClientProtocol(asyncio.Protocol):
         self._client_eof = True
         if self.state == _RELAY:
             up = self.upstream
-            assert up is not None
+            if up is None:
+                return False
             if self._upstream_eof:
                 self.close()
                 return False
@@ -303,19 +305,34 @@ class ClientProtocol(asyncio.Protocol):
         if self.state != _CONNECTING:  # the client left while we dialed
             transport.close()
             return
-        assert self.transport is not None
+        client = self.transport
+        assert client is not None
         CONNECTS.labels("connect", "succeeded").inc()
-        self.transport.write(socks5.build_reply(socks5.REP_SUCCEEDED, bound[0], bound[1]))
-        # The upstream protocol was attached in connection_made (below).
+        client.write(socks5.build_reply(socks5.REP_SUCCEEDED, bound[0], bound[1]))
         self.state = _RELAY
+        # What the destination sent before the reply went out (a banner) follows it.
+        if self._held:
+            held, self._held = self._held, []
+            self._bytes_out.add(sum(len(d) for d in held))
+            client.writelines(held)
+        if self.upstream is None:  # the destination already closed: flush and end
+            client.close()
+            return
         early = self.core.trailing_data()
         if early:
             self._bytes_in.add(len(early))
             transport.write(early)
-        if self._client_eof:
-            self.eof_received()
+        if self._upstream_eof:
+            self._upstream_eof = False
+            if not self.upstream_eof():
+                return
         else:
-            self.transport.resume_reading()
+            transport.resume_reading()
+        if self._client_eof:
+            if not self.eof_received():
+                return
+        else:
+            client.resume_reading()
         self._timer = self.loop.call_later(self.server.limits.socks5_idle_timeout, self._idle_check)
 
     async def _associate(self, request: socks5.Request) -> None:
@@ -353,6 +370,13 @@ class ClientProtocol(asyncio.Protocol):
             transport.set_write_buffer_limits(high=self.server.limits.socks5_write_high_water)
 
     def upstream_data(self, data: bytes) -> None:
+        if self.state != _RELAY:
+            # Connected, but the SOCKS reply has not gone out yet: hold this and
+            # stop reading until it has (one read at most).
+            self._held.append(data)
+            if self.upstream is not None:
+                self.upstream.pause_reading()
+            return
         self._active = True
         self._bytes_out.add(len(data))
         assert self.transport is not None
@@ -360,6 +384,8 @@ class ClientProtocol(asyncio.Protocol):
 
     def upstream_eof(self) -> bool:
         self._upstream_eof = True
+        if self.state != _RELAY:
+            return True  # passed on after the reply (see _connect)
         transport = self.transport
         if transport is None or transport.is_closing():
             return False

@@ -23,7 +23,21 @@ from meshgate.metrics import REGISTRY
 from meshgate.node import Node
 from tests.helpers import async_wait_until, open_fds
 
+# pytest-asyncio 1.x prefers a conftest hook for loop factories; a module-local
+# policy fixture keeps this choice inside this file.
+pytestmark = pytest.mark.filterwarnings("ignore:Overriding the \"event_loop_policy\" fixture")
+
 # --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
+    """Every test runs on both loops: `meshgate run` uses uvloop, whose transports
+    differ from asyncio's in type and in callback order."""
+    if request.param == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return uvloop.EventLoopPolicy()  # type: ignore[no-any-return]
+    return asyncio.DefaultEventLoopPolicy()
 
 
 class Portal:
@@ -336,6 +350,25 @@ async def test_half_close_target_to_client() -> None:
         w.write_eof()
         assert await asyncio.wait_for(got, 10) == b"late words"
         w.close()
+    srv.close()
+
+
+async def test_destination_speaks_first_and_closes_reply_comes_before_its_bytes() -> None:
+    """A banner sent (and the connection closed) by the destination right at
+    accept must reach the client after the SOCKS reply, never before or lost."""
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"220 banner\r\n")
+        w.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    tport = srv.sockets[0].getsockname()[1]
+    async with portal() as p:
+        for _ in range(20):
+            r, w, (rep, _, _, _) = await raw_socks(p.port, request(1, 1, b"\x7f\0\0\1", tport))
+            assert rep == 0
+            assert await asyncio.wait_for(r.read(), 5) == b"220 banner\r\n"
+            w.close()
     srv.close()
 
 
