@@ -16,7 +16,17 @@ from meshgate.metrics import REGISTRY
 from meshgate.node import Node
 from tests.helpers import require_tool, sha256
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.filterwarnings("ignore:Overriding the \"event_loop_policy\" fixture"),
+]
+
+
+@pytest.fixture
+def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
+    """uvloop, as `meshgate run` uses by default (the integration tests cover both loops)."""
+    uvloop = pytest.importorskip("uvloop")
+    return uvloop.EventLoopPolicy()  # type: ignore[no-any-return]
 
 
 @contextlib.asynccontextmanager
