@@ -14,10 +14,15 @@ import shutil
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
 REQUIRE_E2E = os.environ.get("MESHGATE_REQUIRE_E2E") == "1"
+
+# ../shared beside the checkout (CI lays it there); MESHGATE_SHARED points elsewhere.
+SHARED = Path(os.environ.get("MESHGATE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+VECTORS = Path(os.environ.get("MESHGATE_VECTORS", SHARED / "vectors"))
 
 
 def require_tool(name: str) -> str:

@@ -28,8 +28,9 @@ from meshgate.dns.doh import DohApp, decode_get_param
 from meshgate.dns.doq import DoqProtocolError, DoqStreamState, check_doq_query
 from meshgate.dns.resolver import Pipeline
 from meshgate.dns.stats import ListenerStats
+from tests.helpers import VECTORS as VECTOR_DIR
 
-VECTORS = Path("/work/shared/vectors/doh_rfc8484_examples.txt")
+VECTORS = VECTOR_DIR / "doh_rfc8484_examples.txt"
 RFC_GET = "AAABAAABAAAAAAAAA3d3dwdleGFtcGxlA2NvbQAAAQAB"
 RFC_POST = bytes.fromhex("00000100000100000000000003777777076578616d706c6503636f6d0000010001")
 RFC_LONG = ("AAABAAABAAAAAAAAAWE-NjJjaGFyYWN0ZXJsYWJlbC1tYWtlcy1iYXNlNjR1cmwtZGlzdGluY3QtZnJvbS1zdGFuZGFy"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshgate.mesh.noise import PATTERNS, CipherState, HandshakeState, NoiseError, generate_private
+from tests.helpers import VECTORS as VECTOR_DIR
 
-VECTORS = Path("/work/shared/vectors/noise_25519_chachapoly_sha256.json")
-if not VECTORS.exists():  # the repository copy, when the shared folder is not mounted
-    VECTORS = Path(__file__).resolve().parents[1] / "vectors" / "noise_25519_chachapoly_sha256.json"
+VECTORS = VECTOR_DIR / "noise_25519_chachapoly_sha256.json"
 
 
 def _vectors() -> list[dict[str, Any]]:

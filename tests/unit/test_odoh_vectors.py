@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from meshgate.dns import odoh
-
-# The vectors live in ../shared/vectors beside the checkout (see the issue);
-# MESHGATE_VECTORS points elsewhere when the checkout is not beside them.
-VECTORS = Path(os.environ.get("MESHGATE_VECTORS", Path(__file__).resolve().parents[3] / "shared" / "vectors"))
+from tests.helpers import VECTORS
 
 ODOH: dict[str, Any] = json.loads((VECTORS / "odoh_odoh-go_test-vectors.json").read_text())[0]
 HPKE: dict[str, Any] = json.loads(
