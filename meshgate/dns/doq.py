@@ -116,6 +116,7 @@ class DoqProtocol(QuicConnectionProtocol):
     frontend: Frontend
     stats: ListenerStats
     limits: LimitsConfig
+    conns: set[DoqProtocol]  # this listener's live connections (≤ limits.dns_tcp_max_clients)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -130,13 +131,28 @@ class DoqProtocol(QuicConnectionProtocol):
         limit = getattr(self._quic, "_local_max_streams_bidi", None)
         if limit is not None and hasattr(limit, "value"):
             limit.value = min(int(limit.value), self.limits.doq_max_streams)
+        self.over_cap = len(self.conns) >= self.limits.dns_tcp_max_clients
+        if not self.over_cap:
+            self.conns.add(self)
 
     @property
     def peer(self) -> Any:
         return self._quic._network_paths[0].addr if self._quic._network_paths else None
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
+        if self.over_cap and not self.closed:
+            # Refused with a DoQ code once the first packet is processed (a close before
+            # that would not reach the client).
+            self.stats.drop("max_clients")
+            rlog.debug(f"{self.stats.name} max",
+                       "doq %s: refusing %s: %d connections (limits.dns_tcp_max_clients)",
+                       self.stats.name, self.peer, len(self.conns))
+            self.closed = True
+            self._quic.close(error_code=DOQ_EXCESSIVE_LOAD, reason_phrase="too many connections")
+            return
         if self.closed:
+            if isinstance(event, events.ConnectionTerminated):
+                self._terminated()
             return
         try:
             if isinstance(event, events.StreamDataReceived):
@@ -165,6 +181,7 @@ class DoqProtocol(QuicConnectionProtocol):
 
     def _terminated(self) -> None:
         self.closed = True
+        self.conns.discard(self)
         self.streams.clear()
         if self.deadline_timer is not None:
             self.deadline_timer.cancel()
@@ -282,16 +299,19 @@ class DoqProtocol(QuicConnectionProtocol):
 
 async def start_doq(pipeline: Pipeline, stats: ListenerStats, limits: LimitsConfig, host: str, port: int,
                     cert: str, key: str) -> QuicServer:
-    config = QuicConfiguration(is_client=False, alpn_protocols=["doq"], idle_timeout=30.0)
+    config = QuicConfiguration(is_client=False, alpn_protocols=["doq"],
+                               idle_timeout=limits.dns_tcp_idle_timeout)
     config.load_cert_chain(cert, key)
     tickets = TicketStore()
     frontend = Frontend(pipeline, stats)
+    conns: set[DoqProtocol] = set()
 
     def make(*args: Any, **kwargs: Any) -> DoqProtocol:
         proto = DoqProtocol.__new__(DoqProtocol)
         proto.frontend = frontend
         proto.stats = stats
         proto.limits = limits
+        proto.conns = conns
         proto.__init__(*args, **kwargs)  # type: ignore[misc]
         return proto
 

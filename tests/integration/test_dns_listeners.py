@@ -632,3 +632,35 @@ async def test_status_reports_urls_and_generated_certificate(env: Env, tmp_path:
     assert "localhost" in san.get_values_for_type(x509.DNSName)
     assert {str(a) for a in san.get_values_for_type(x509.IPAddress)} == {"127.0.0.1", "::1"}
     assert oct((tmp_path / "state" / "dns-selfsigned.key").stat().st_mode & 0o777) == "0o600"
+
+
+async def test_doq_connection_cap(tmp_path: Any, auth: LocalAuthority) -> None:
+    env = await start_env(tmp_path, auth, dns_tcp_max_clients=1)
+    try:
+        host, port = env.hp("quic")
+        async with doq_client(host, port) as first:
+            assert isinstance(first, QuicEvents)
+            await async_wait_until(lambda: len(_doq_conns(env)) == 1)
+            second = doq_client(host, port)
+            with pytest.raises(ConnectionError):  # closed with DOQ_EXCESSIVE_LOAD during the handshake
+                async with second:
+                    pass
+            assert env.stat("quic").snapshot()["drops"]["max_clients"] >= 1
+            sid = first._quic.get_next_available_stream_id()
+            first._quic.send_stream_data(sid, doq_msg("alpha.mesh.internal"), end_stream=True)
+            first.transmit()
+            await async_wait_until(lambda: first.data(sid)[1], timeout=5)  # the admitted one still works
+        r = await dnspython_query(env, "quic", dns.message.make_query("alpha.mesh.internal", "A"))
+        assert r.answer  # a slot frees when a connection ends
+    finally:
+        await env.svc.stop()
+
+
+def _doq_conns(env: Env) -> set[Any]:
+    from meshgate.dns.doq import DoqProtocol
+
+    for c in env.svc._closers:
+        protos = getattr(c, "_protocols", None)
+        if protos:
+            return {p for p in protos.values() if isinstance(p, DoqProtocol) and not p.over_cap}
+    return set()

@@ -308,7 +308,7 @@ def test_upstream_urls() -> None:
     assert parse_upstream("https://127.0.0.1/dns-query").url == "https://127.0.0.1/dns-query"
 
 
-async def test_a_client_going_away_does_not_cancel_the_shared_upstream_query(authority: LocalAuthority) -> None:
+async def test_a_client_going_away_does_not_cancel_the_shared_query(authority: LocalAuthority) -> None:
     p = make_pipeline(make_config([authority.url]))
     first = asyncio.create_task(p.resolve(query("slow5.example.test")))
     second = asyncio.create_task(p.resolve(query("slow5.example.test")))
