@@ -328,6 +328,7 @@ async def test_doq_0rtt_serves_only_query(tmp_path: Path) -> None:
     proto.frontend = Frontend(p, ListenerStats("unit-doq"))
     proto.stats = proto.frontend.stats
     proto.limits = cfg.limits
+    proto.conns = set()
     proto.__init__(QuicConnection(configuration=qcfg, original_destination_connection_id=os.urandom(8)))
     sent: list[bytes] = []
     proto._send = lambda sid, b: sent.append(b.tobytes())  # type: ignore[method-assign]
