@@ -152,11 +152,13 @@ class HttpsUpstream(Upstream):
 
 
 class QuicUpstream(Upstream):
-    def __init__(self, url: str, host: str, port: int, verify: bool | str = True) -> None:
+    def __init__(self, url: str, host: str, port: int, verify: bool | str = True,
+                 sni: str | None = None) -> None:
         self.url = url
         self.host = host
         self.port = port
         self.verify = verify
+        self.sni = sni or host
 
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
         import dns.asyncquery
@@ -164,9 +166,10 @@ class QuicUpstream(Upstream):
 
         addr = await _address(self.host, self.port)
         q = dns.message.from_wire(wire)
+        qid = q.id
         r = await dns.asyncquery.quic(q, addr, timeout=timeout, port=self.port,
-                                      server_hostname=self.host, verify=self.verify)
-        r.id = q.id  # DoQ sends ID 0 on the wire (RFC 9250); restore ours for the check
+                                      server_hostname=self.sni, verify=self.verify)
+        r.id = qid  # DoQ sends ID 0 on the wire (RFC 9250; dnspython zeroes q.id): restore ours
         return r.to_wire()
 
 
@@ -211,7 +214,7 @@ def parse_upstream(url: str, verify: bool | str = True) -> Upstream:
         return TcpUpstream(url, host, port, ctx, sni or host)
     if scheme == "quic":
         host, port = _split_host_port(rest, 853)
-        return QuicUpstream(url, host, port, verify)
+        return QuicUpstream(url, host, port, verify, sni or None)
     raise ValueError(f"unsupported upstream scheme {scheme!r}")
 
 

@@ -664,3 +664,22 @@ def _doq_conns(env: Env) -> set[Any]:
         if protos:
             return {p for p in protos.values() if isinstance(p, DoqProtocol) and not p.over_cap}
     return set()
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "tls", "https", "quic"])
+async def test_encrypted_upstreams_through_our_own_listeners(env: Env, scheme: str) -> None:
+    """A second pipeline uses this service's listeners as its upstream (tcp://, tls://host#sni,
+    https://, quic://): the upstream clients work and the question check accepts their answers."""
+    from meshgate.dns.upstream import parse_upstream
+    from tests.integration.test_dns_upstream import ask, make_config
+
+    host, port = env.hp(scheme)
+    url = env.urls[scheme] if scheme == "https" else f"{scheme}://{host}:{port}"
+    if scheme == "tls":
+        url += "#localhost"
+    cfg = make_config([])
+    p = service.Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None),
+                         upstreams=[parse_upstream(url, verify=False)])
+    r = await ask(p, "www.example.test")
+    assert r.answer[0][0].address == "192.0.2.1"
+    assert len(p.cache) == 1
