@@ -352,3 +352,92 @@ async def test_doq_0rtt_serves_only_query(tmp_path: Path) -> None:
     proto.handshake_done = True
     proto._query(12, update.to_wire())  # after the handshake: not supported, NOTIMP
     assert dns.message.from_wire(sent[-1]).rcode() == dns.rcode.NOTIMP
+
+
+class _FakeTransport:
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.out.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    abort = close
+
+    def get_extra_info(self, key: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 1) if key == "peername" else default
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def _h2_preface_and_request() -> list[bytes]:
+    import h2.config
+    import h2.connection
+
+    c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    c.initiate_connection()
+    out = [c.data_to_send()]
+    q = dns.message.make_query("alpha.mesh.internal", "A")
+    q.id = 0
+    c.send_headers(1, [(":method", "POST"), (":path", "/dns-query"), (":scheme", "https"),
+                       (":authority", "x"), ("content-type", "application/dns-message")])
+    c.send_data(1, q.to_wire(), end_stream=True)
+    out.append(c.data_to_send())
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.binary(max_size=200), max_size=6), st.integers(0, 2))
+def test_fuzz_h2_server_never_raises(chunks: list[bytes], prefix: int) -> None:
+    """Random bytes after 0-2 valid chunks (preface, a POST): the DoH server answers, errors
+    or closes, but data_received never raises."""
+    from meshgate.dns.h2server import H2ServerProtocol
+
+    async def run() -> None:
+        cfg = from_dict({"node": {"name": "alpha", "ipv4": "10.144.144.1/24"}})
+        p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
+        stats = ListenerStats("fuzz-doh")
+        srv = H2ServerProtocol(DohApp(p, stats), stats, cfg.limits, set())
+        t = _FakeTransport()
+        srv.connection_made(t)  # type: ignore[arg-type]
+        for data in [*_h2_preface_and_request()[:prefix], *chunks]:
+            if t.closed:
+                break
+            srv.data_received(data)
+        srv.connection_lost(None)
+
+    asyncio.run(run())
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.binary(max_size=120), max_size=6))
+def test_fuzz_tcp_stream_never_raises(chunks: list[bytes]) -> None:
+    from meshgate.dns.plain import StreamDnsProtocol
+
+    async def run() -> None:
+        cfg = from_dict({"node": {"name": "alpha", "ipv4": "10.144.144.1/24"}})
+        p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
+        proto = StreamDnsProtocol(p, ListenerStats("fuzz-tcp"), cfg.limits, set())
+        t = _FakeTransport()
+        proto.connection_made(t)  # type: ignore[arg-type]
+        good = dns.message.make_query("alpha.mesh.internal", "A").to_wire(prepend_length=True)
+        for data in [good, *chunks]:
+            proto.data_received(data)
+        proto.eof_received()
+        proto.connection_lost(None)
+        assert t.out and dns.message.from_wire(t.out[0][2:]).answer
+
+    asyncio.run(run())
