@@ -255,6 +255,29 @@ def start_meshgate(port: int, workdir: str) -> Peer:
     return Peer("meshgate", argv, port=port, cwd=str(ROOT)).start()
 
 
+def start_meshgate_ref(ref: str) -> Callable[[int, str], Peer]:
+    """meshgate as of git REF (extracted with `git archive`), for A/B runs of a change."""
+
+    def start(port: int, workdir: str) -> Peer:
+        tree = Path(workdir, f"meshgate-{ref.replace('/', '_')}")
+        if not tree.exists():
+            tree.mkdir()
+            archive = subprocess.run(
+                ["git", "-C", str(ROOT), "archive", ref, "meshgate"], check=True, capture_output=True
+            ).stdout
+            subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        conf = Path(workdir, f"meshgate-{port}.toml")
+        conf.write_text(
+            f'log_level = "warning"\n[socks5]\nlisten = "127.0.0.1:{port}"\nmax_clients = 4096\n'
+            "[admin]\nenable = false\n"
+        )
+        # cwd first on sys.path (-m): the extracted package shadows the working tree's.
+        argv = [sys.executable, "-m", "meshgate", "run", "-c", str(conf), "--loop", "uvloop"]
+        return Peer(f"meshgate@{ref}", argv, port=port, cwd=str(tree)).start()
+
+    return start
+
+
 def start_microsocks(port: int, workdir: str) -> Peer:
     exe = shutil.which("microsocks")
     if exe is None:
@@ -306,6 +329,7 @@ def main() -> int:
     p.add_argument("--size", type=int, default=1024, help="MiB per bulk direction (default 1024 = 1 GiB)")
     p.add_argument("--seconds", type=float, default=5.0, help="duration of each connection-rate run")
     p.add_argument("--clients", type=int, default=50, help="concurrent clients in the rate test")
+    p.add_argument("--ab", metavar="REF", help="also run meshgate as of git REF (A/B of a change)")
     p.add_argument("--serve", nargs=2, type=int, metavar=("BULK", "RR"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
@@ -327,8 +351,13 @@ def main() -> int:
         wait_port("127.0.0.1", bulk_port, 10, target_proc)
         wait_port("127.0.0.1", rr_port, 10, target_proc)
         bulk_target, rr_target = ("127.0.0.1", bulk_port), ("127.0.0.1", rr_port)
-        names = ["direct", *STARTERS]
-        for name, start in STARTERS.items():
+        starters = dict(STARTERS)
+        if args.ab:
+            starters = {"meshgate": start_meshgate, f"meshgate@{args.ab}": start_meshgate_ref(args.ab)} | {
+                k: v for k, v in STARTERS.items() if k != "meshgate"
+            }
+        names = ["direct", *starters]
+        for name, start in starters.items():
             if not selected(args, name):
                 continue
             try:

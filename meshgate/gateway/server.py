@@ -62,6 +62,32 @@ _COMMAND_NAMES = {socks5.CMD_CONNECT: "connect", socks5.CMD_BIND: "bind", socks5
 # and not a lock per read either.
 _BYTES_FLUSH = 1 << 20
 
+# Bytes read per receive on the relay. asyncio's and uvloop's own read size.
+READ_SIZE = 256 * 1024
+
+
+class ReadBuffer:
+    """The one receive buffer every relay on a server reads into.
+
+    Reads are strictly serial on an event loop (get_buffer, the receive,
+    buffer_updated, then the next), and each read is written on at once, so
+    one buffer serves every connection: no bytes object allocated and filled
+    per read. The rule of meshgate/buffers.py still holds: if the write did
+    not drain (the transport may keep a view of this memory, as uvloop does),
+    the buffer is given up to that transport and a fresh one takes its place.
+    """
+
+    __slots__ = ("renewed", "size", "view")
+
+    def __init__(self, size: int = READ_SIZE) -> None:
+        self.size = size
+        self.view = memoryview(bytearray(size))
+        self.renewed = 0
+
+    def renew(self) -> None:
+        self.view = memoryview(bytearray(self.size))
+        self.renewed += 1
+
 
 def _peer_text(peer: Any) -> str:
     if not peer:
@@ -83,6 +109,7 @@ class Socks5Server:
         self.udp_enabled = config.socks5.udp
         self.clients: set[ClientProtocol] = set()
         self.server: asyncio.Server | None = None
+        self.read_buffer = ReadBuffer()
 
     async def start(self, host: str, port: int) -> asyncio.Server:
         loop = asyncio.get_running_loop()
@@ -109,7 +136,7 @@ class Socks5Server:
 _HANDSHAKE, _CONNECTING, _RELAY, _UDP, _CLOSED = range(5)
 
 
-class ClientProtocol(asyncio.Protocol):
+class ClientProtocol(asyncio.BufferedProtocol):
     """One SOCKS client connection, from greeting to close."""
 
     def __init__(self, server: Socks5Server) -> None:
@@ -186,8 +213,24 @@ class ClientProtocol(asyncio.Protocol):
 
     # ----------------------------------------------------------------- reading
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.server.read_buffer.view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        rb = self.server.read_buffer
         if self.state == _RELAY:  # the hot path
+            up = self.upstream
+            assert up is not None
+            up.write(rb.view[:nbytes])
+            if up.get_write_buffer_size():
+                rb.renew()  # the transport may hold a view of it: never reuse
+            self._active = True
+            self._bytes_in.add(nbytes)
+            return
+        self.data_received(bytes(rb.view[:nbytes]))
+
+    def data_received(self, data: bytes) -> None:
+        if self.state == _RELAY:
             self._active = True
             self._bytes_in.add(len(data))
             assert self.upstream is not None
@@ -288,8 +331,14 @@ class ClientProtocol(asyncio.Protocol):
 
     async def _connect(self, request: socks5.Request) -> None:
         host, port = request.host, request.port
+
+        def factory() -> asyncio.Protocol:
+            # A BufferedProtocol that also has data_received, so transports of
+            # either kind (sockets, mesh streams) can drive it.
+            return cast(asyncio.Protocol, UpstreamProtocol(self))
+
         try:
-            transport, _, bound = await self.server.dialer.connect(host, port, lambda: UpstreamProtocol(self))
+            transport, _, bound = await self.server.dialer.connect(host, port, factory)
         except DialError as e:
             rlog.debug(f"dial:{e.reply}", "socks5: %s for %s", e, _peer_text(self.peer))
             if self.state == _CONNECTING:
@@ -425,14 +474,35 @@ class ClientProtocol(asyncio.Protocol):
         self.close()
 
 
-class UpstreamProtocol(asyncio.Protocol):
-    """The destination side of one relay; every event goes to its client."""
+class UpstreamProtocol(asyncio.BufferedProtocol):
+    """The destination side of one relay; every event goes to its client.
+
+    Socket transports use the buffered path (get_buffer/buffer_updated); a
+    transport that delivers bytes (a mesh stream) calls data_received.
+    """
 
     def __init__(self, client: ClientProtocol) -> None:
         self.client = client
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.client.upstream_made(transport)  # type: ignore[arg-type]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.client.server.read_buffer.view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        client = self.client
+        rb = client.server.read_buffer
+        if client.state == _RELAY:  # the hot path
+            t = client.transport
+            assert t is not None
+            t.write(rb.view[:nbytes])
+            if t.get_write_buffer_size():
+                rb.renew()  # the transport may hold a view of it: never reuse
+            client._active = True
+            client._bytes_out.add(nbytes)
+            return
+        client.upstream_data(bytes(rb.view[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         self.client.upstream_data(data)
