@@ -187,7 +187,7 @@ class TunPath:
             return
         if p.ttl <= 1:
             _dropped.labels("ttl_expired").inc()
-            self._icmp_local(self._ip(pkt), p, tp.TIME_EXCEEDED)
+            self._icmp_local(self._ip(pkt), p, tp.TIME_EXCEEDED, node=node)
             return
         buf = bytearray(pkt)
         tp.decrement_ttl(buf, off)  # the mesh is one router hop
@@ -202,13 +202,32 @@ class TunPath:
         """The IP packet without the virtio-net header (error paths only)."""
         return memoryview(pkt)[self.vnet :] if self.vnet else pkt
 
-    def _icmp_local(self, pkt: bytes | bytearray | memoryview, p: tp.Packet, kind: Any, mtu: int = 0) -> None:
-        """An ICMP error from this node to a sender on this side of the device."""
-        src = self.own4 if p.version == 4 else self.own6
-        err = tp.icmp_error(pkt, p, kind, src, mtu) if src is not None else None
+    def _icmp_local(
+        self, pkt: bytes | bytearray | memoryview, p: tp.Packet, kind: Any, mtu: int = 0, node: int = 0
+    ) -> None:
+        """An ICMP error to a sender on this side of the device, written into the device.
+
+        Its source is never this node's own address: the kernel drops a packet arriving on an
+        interface from one of its own addresses (martian source). It comes from the virtual IP
+        of the node that owns the route (the mesh "router", as traceroute shows it), else from
+        the unreachable destination itself.
+        """
+        src = self._error_source(p, node)
+        err = tp.icmp_error(pkt, p, kind, src, mtu)
         if err is not None:
             _icmp.labels(_KIND_NAMES[id(kind)]).inc()
             self._queue_write(err, True)
+
+    def _error_source(self, p: tp.Packet, node: int) -> bytes:
+        if node and node != self.own_id:
+            want = f"{node:08x}"
+            for r in self.mesh.routes():  # error path only: a scan is fine
+                if r.get("id") == want:
+                    text = r.get("ipv4" if p.version == 4 else "ipv6")
+                    if text:
+                        return ipaddress.ip_address(text).packed
+                    break
+        return p.dst
 
     def _too_big(self, ip: bytes | bytearray | memoryview, p: tp.Packet, node: int, to_mesh: bool) -> None:
         """A packet (`ip`: no virtio header) larger than the device MTU: fragment (IPv4
@@ -230,7 +249,7 @@ class TunPath:
         _rlog.debug(f"toobig:{p.src.hex()}", "tun: %d-byte packet from %s exceeds MTU %d; ICMP sent",
                     p.length, ipaddress.ip_address(p.src), self.mtu)
         if to_mesh:
-            self._icmp_local(ip, p, tp.TOO_BIG, self.mtu)
+            self._icmp_local(ip, p, tp.TOO_BIG, self.mtu, node=node)
             return
         # from the mesh: the sender is behind node `node`; answer it there
         src = self.own4 if p.version == 4 else self.own6

@@ -101,6 +101,20 @@ def test_ping_virtual_ip_through_relay(topo: Topology) -> None:
     assert "10.144.144.0/24 dev meshgate0" in topo.ip("a", "route").stdout
 
 
+def test_mesh_is_one_router_hop(topo: Topology) -> None:
+    # TTL/hop limit 1 expires entering the mesh: ICMP Time Exceeded, as from a router whose
+    # address is the owner node's virtual IP (traceroute shows the mesh as one hop; A's own
+    # address would be a martian source on A's device); TTL 2 gets through.
+    r = topo.tool("a", "ping", "10.144.144.3", "--count", "1", "--ttl", "1")
+    assert r["replies"] == 0 and r["errors"] == ["icmp:11/0:10.144.144.3"], r
+    r6 = topo.tool("a", "ping", "fd00:144::3", "--count", "1", "--ttl", "1")
+    assert r6["replies"] == 0 and r6["errors"] == ["icmp:3/0:fd00:144::3"], r6
+    # no route (an unassigned virtual IP): host unreachable, not silence
+    r = topo.tool("a", "ping", "10.144.144.77", "--count", "1")
+    assert r["replies"] == 0 and r["errors"] == ["icmp:3/0:10.144.144.77"], r
+    assert topo.tool("a", "ping", "10.144.144.3", "--count", "1", "--ttl", "2")["replies"] == 1
+
+
 def test_lan_through_proxy_cidr_plain_and_mapped(topo: Topology) -> None:
     wait_until(lambda: "10.2.2.0/24" in topo.ip("a", "route", "show", "proto", "77").stdout, timeout=10,
                what="proxy-CIDR routes on A")

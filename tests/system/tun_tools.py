@@ -1,6 +1,6 @@
 """Small network tools the TUN system tests run inside their namespaces.
 
-    python -m tests.system.tun_tools ping DST [--count N] [--size BYTES] [--timeout S]
+    python -m tests.system.tun_tools ping DST [--count N] [--size BYTES] [--timeout S] [--ttl N]
     python -m tests.system.tun_tools echo-server --tcp HOST:PORT --udp HOST:PORT
     python -m tests.system.tun_tools tcp DST PORT TEXT     (prints the echo: "<peer seen by server>|TEXT")
     python -m tests.system.tun_tools udp DST PORT TEXT
@@ -31,10 +31,15 @@ def _csum(b: bytes) -> int:
     return ~t & 0xFFFF
 
 
-def ping(dst: str, count: int, size: int, timeout: float) -> dict[str, object]:
+def ping(dst: str, count: int, size: int, timeout: float, ttl: int = 0) -> dict[str, object]:
     v6 = ":" in dst
     s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_RAW,
                       socket.IPPROTO_ICMPV6 if v6 else socket.IPPROTO_ICMP)
+    if ttl:
+        if v6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS, ttl)
+        else:
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
     ident = 0x4D47
     replies, errors, rtts = 0, [], []
     for seq in range(count):
@@ -167,6 +172,7 @@ def main() -> int:
     p.add_argument("--count", type=int, default=3)
     p.add_argument("--size", type=int, default=56)
     p.add_argument("--timeout", type=float, default=1.0)
+    p.add_argument("--ttl", type=int, default=0, help="IP TTL / hop limit (0: the system default)")
     e = sub.add_parser("echo-server")
     e.add_argument("--tcp", default="")
     e.add_argument("--udp", default="")
@@ -182,7 +188,7 @@ def main() -> int:
     d.add_argument("size", type=int)
     a = ap.parse_args()
     if a.cmd == "ping":
-        out = ping(a.dst, a.count, a.size, a.timeout)
+        out = ping(a.dst, a.count, a.size, a.timeout, a.ttl)
     elif a.cmd == "echo-server":
         echo_server(a.tcp, a.udp)
         return 0

@@ -25,7 +25,8 @@ from tests.unit.test_tun_packets import A4, A6, B4, B6, icmp_echo, ipv4, ipv6, r
 
 ME = 0x0A
 PEER = 0x0C
-C4 = ipaddress.IPv4Address("10.144.144.3").packed
+C4 = ipaddress.IPv4Address("10.144.144.4").packed
+PEER4, PEER6 = "10.144.144.12", "fd00:144::12"  # the virtual IPs of node PEER
 LAN = ipaddress.IPv4Address("10.1.2.4").packed
 
 
@@ -56,6 +57,9 @@ class FakeMesh:
 
     def on_datagram(self, channel: int, cb: Any) -> None:
         self.handlers[channel] = cb
+
+    def routes(self) -> list[dict[str, Any]]:
+        return [{"id": f"{PEER:08x}", "ipv4": PEER4, "ipv6": PEER6, "proxy_cidrs": []}]
 
 
 def dropped(reason: str) -> float:
@@ -135,7 +139,8 @@ async def test_no_route_answers_icmp_unreachable(pair: Any) -> None:
     host.send(pkt)
     err = await recv(host)
     p = tp.parse(err)
-    assert (p.src, p.dst, err[20], err[21]) == (B4, A4, 3, 0)
+    # from the unreachable destination: our own address would be a martian source on our device
+    assert (p.src, p.dst, err[20], err[21]) == (C4, A4, 3, 0)
     assert err[28:] == pkt
     assert dropped("no_route") == before + 1
     assert mesh.sent == []
@@ -148,7 +153,8 @@ async def test_ttl_one_answers_time_exceeded(pair: Any) -> None:
     path = make_path(dev, mesh)
     host.send(ipv6(B6, A6, tp.PROTO_ICMPV6, icmp_echo(v6=True), hop=1))
     err = await recv(host)
-    assert tp.parse(err).dst == B6 and (err[40], err[41]) == (3, 0)
+    p = tp.parse(err)
+    assert (p.src, p.dst, err[40], err[41]) == (ipaddress.IPv6Address(PEER6).packed, B6, 3, 0)  # "router"
     assert mesh.sent == []
     path.stop()
 
@@ -242,6 +248,7 @@ async def test_too_big_from_device_answers_locally(pair: Any) -> None:
     host.send(ipv6(B6, A6, tp.PROTO_UDP, b"u" * 1300))
     err = await recv(host)
     assert (err[40], err[41]) == (2, 0) and struct.unpack_from("!I", err, 44)[0] == 1280
+    assert tp.parse(err).src == ipaddress.IPv6Address(PEER6).packed
     assert mesh.sent == []
     path.stop()
 
