@@ -21,6 +21,7 @@ process (utime+stime from /proc).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import subprocess
@@ -48,7 +49,7 @@ KERNEL_DST = {"b": "172.31.1.2", "c": "172.31.2.3"}
 MESH_DST = {"b": "10.144.144.2", "c": "10.144.144.3"}
 
 
-ET_CONF = {
+ET_CONF: dict[str, dict[str, Any]] = {
     "a": {"ip": "10.144.144.1", "peers": ["tcp://172.31.9.2:11010"], "expect": 2},
     "b": {"ip": "10.144.144.2", "listen": ["tcp://0.0.0.0:11010"], "peers": ["tcp://172.31.2.3:11010"]},
     "c": {"ip": "10.144.144.3", "listen": ["tcp://0.0.0.0:11010"]},
@@ -199,7 +200,7 @@ def main() -> int:
             baseline = "easytier" if "easytier" in names else "kernel" if "kernel" in names else None
             r = Runner(title, rounds=args.rounds, baseline=baseline)
             for s in live:
-                r.add(s.name, lambda s=s, dst=dst, udp=udp: s.iperf(dst, udp, args.seconds))
+                r.add(s.name, functools.partial(s.iperf, dst, udp, args.seconds))
             r.run()
             runners.append(r)
     finally:

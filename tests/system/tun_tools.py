@@ -25,7 +25,7 @@ import time
 def _csum(b: bytes) -> int:
     if len(b) % 2:
         b += b"\x00"
-    t = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    t: int = sum(struct.unpack(f"!{len(b) // 2}H", b))
     while t >> 16:
         t = (t & 0xFFFF) + (t >> 16)
     return ~t & 0xFFFF
