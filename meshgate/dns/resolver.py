@@ -217,6 +217,9 @@ class Pipeline:
             return [str(ipaddress.ip_address(name.strip("[]")))]
         except ValueError:
             pass
+        lowered = name.lower().rstrip(".")
+        if lowered == "localhost" or lowered.endswith(".localhost"):
+            return ["127.0.0.1", "::1"]  # RFC 6761 6.3: never sent to an upstream
         try:
             qname = wire.encode_name(name)
         except (ValueError, UnicodeError):

@@ -282,6 +282,8 @@ async def test_resolve_host_bootstrap_adapter(authority: LocalAuthority) -> None
     assert await p.resolve_host("nx9.example.test") == []
     assert await p.resolve_host("192.0.2.55") == ["192.0.2.55"]
     assert await p.resolve_host("::1") == ["::1"]
+    assert await p.resolve_host("LocalHost.") == ["127.0.0.1", "::1"]
+    assert await p.resolve_host("bad..name") == []
 
 
 async def test_mesh_name_table_is_used_when_the_mesh_is_on() -> None:
