@@ -8,6 +8,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -44,7 +45,7 @@ async def run(*argv: str, timeout: float = 30.0) -> tuple[int, str]:
 @pytest.fixture
 async def node(tmp_path: Path) -> AsyncIterator[Node]:
     auth = await LocalAuthority().start()
-    plain, tls, doh = free_port(), free_port(), free_port()
+    plain, tls, doh = _dual_port(), _dual_port(), free_port()
     ports = {"plain": plain, "tls": tls, "doh": doh}
     cfg = tmp_path / "dns.toml"
     cfg.write_text(f"""
@@ -106,6 +107,19 @@ listen = "127.0.0.1:{doh}"
         auth.release.set()
         await auth.stop()
     assert proc.returncode == 0
+
+
+def _dual_port() -> int:
+    """A port free for both TCP and UDP (plain DNS and DoT/DoQ listen on both)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise OSError("no port free for both TCP and UDP")
 
 
 def answers(out: str) -> list[str]:
