@@ -170,6 +170,13 @@ class DoqProtocol(QuicConnectionProtocol):
                 self._terminated()
         except DoqProtocolError as e:
             self._protocol_error(str(e))
+        except Exception as e:  # a bug of ours: fail the stream, keep the connection and the listener
+            sid = getattr(event, "stream_id", None)
+            self.stats.error("internal")
+            log.warning("doq %s: %s: internal error on stream %s: %r", self.stats.name, self.peer, sid, e)
+            if isinstance(sid, int):
+                self.streams.pop(sid, None)
+                self._reset(sid, DOQ_INTERNAL_ERROR)
 
     def _protocol_error(self, reason: str) -> None:
         self.stats.error("doq_protocol")

@@ -441,3 +441,38 @@ def test_fuzz_tcp_stream_never_raises(chunks: list[bytes]) -> None:
         assert t.out and dns.message.from_wire(t.out[0][2:]).answer
 
     asyncio.run(run())
+
+
+async def test_doq_internal_error_resets_only_that_stream(tmp_path: Path) -> None:
+    import os
+
+    from aioquic.quic.configuration import QuicConfiguration
+    from aioquic.quic.connection import QuicConnection
+    from aioquic.quic.events import StreamDataReceived
+
+    from meshgate.dns import certs
+    from meshgate.dns.doq import DOQ_INTERNAL_ERROR, DoqProtocol
+    from meshgate.dns.resolver import Frontend
+
+    cert, key = certs.ensure_self_signed(tmp_path)
+    qcfg = QuicConfiguration(is_client=False, alpn_protocols=["doq"])
+    qcfg.load_cert_chain(str(cert), str(key))
+    cfg = from_dict({"node": {"name": "alpha"}})
+    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
+    proto = DoqProtocol.__new__(DoqProtocol)
+    proto.frontend = Frontend(p, ListenerStats("unit-doq-internal"))
+    proto.stats, proto.limits, proto.conns = proto.frontend.stats, cfg.limits, set()
+    proto.__init__(QuicConnection(configuration=qcfg, original_destination_connection_id=os.urandom(8)))
+    resets: list[tuple[int, int]] = []
+    proto._reset = lambda sid, code: resets.append((sid, code))  # type: ignore[method-assign]
+
+    def boom(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("bug")
+
+    proto.frontend.query = boom  # type: ignore[method-assign]
+    q = dns.message.make_query("a.test", "A")
+    q.id = 0
+    proto.quic_event_received(StreamDataReceived(data=q.to_wire(prepend_length=True), end_stream=True,
+                                                 stream_id=0))
+    assert resets == [(0, DOQ_INTERNAL_ERROR)] and not proto.closed
+    assert proto.stats.snapshot()["errors"]["internal"] == 1
