@@ -71,10 +71,11 @@ class Link(asyncio.Protocol):
         transport = cast(asyncio.Transport, transport)
         self.transport = transport
         link_tcp.tune(transport)
-        if not self.initiator and self.url.startswith("tcp"):
+        scheme = self.url.partition(":")[0]
+        if not self.initiator and scheme in ("tcp", "quic"):
             peer = transport.get_extra_info("peername")
             if isinstance(peer, tuple):
-                self.url = str(LinkUrl("tcp", peer[0], peer[1]))
+                self.url = str(LinkUrl(scheme, peer[0], peer[1]))
         self._timer = self.loop.call_later(self.owner.handshake_timeout, self._handshake_timeout)
         self.codec.start()
         self._flush()

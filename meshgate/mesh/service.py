@@ -142,6 +142,7 @@ class MeshService:
         self.pending: set[Link] = set()  # links still in their handshake
         self._datagram_handlers: dict[int, DatagramCallback] = {}
         self._servers: list[asyncio.Server] = []
+        self._quic_servers: list[Any] = []
         self._rings: list[tuple[str, Callable[[], asyncio.Protocol]]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tick_handle: asyncio.TimerHandle | None = None
@@ -184,6 +185,18 @@ class MeshService:
                     raise bind_error("mesh.listen", str(url), e) from None
                 self._rings.append((url.host, factory))
                 self.listen_addrs.append(str(url))
+            elif url.scheme == "quic":
+                from meshgate.mesh import link_quic
+
+                try:
+                    qserver = await link_quic.listen(url.host, url.port, functools.partial(self._accept, url))
+                except OSError as e:
+                    await self.stop()
+                    raise bind_error("mesh.listen", str(url), e) from None
+                self._quic_servers.append(qserver)
+                sockname = qserver._transport.get_extra_info("sockname") if qserver._transport else None
+                port = sockname[1] if sockname else url.port
+                self.listen_addrs.append(str(LinkUrl("quic", url.host, port)))
             else:
                 log.warning("mesh.listen: %s links are not implemented yet; skipping %s", url.scheme, url)
         for url in self.config.mesh.peers:
@@ -201,6 +214,9 @@ class MeshService:
         self._rings.clear()
         for server in self._servers:
             server.close()
+        for qserver in self._quic_servers:
+            qserver.close()
+        self._quic_servers.clear()
         for task in list(self._tasks):
             task.cancel()
         for links in list(self.links.values()):
@@ -245,6 +261,12 @@ class MeshService:
                 await link_tcp.connect(url.host, url.port, lambda: link, self.handshake_timeout)
             elif url.scheme == "ring":
                 link_ring.connect(url.host, lambda: link)
+            elif url.scheme == "quic":
+                from meshgate.mesh import link_quic
+
+                task = await link_quic.connect_link(url.host, url.port, lambda: link, self.handshake_timeout)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
             else:
                 raise OSError(f"{url.scheme} links are not implemented")
         except BaseException:
@@ -700,8 +722,8 @@ class MeshService:
             "peers": sum(len(v) for v in self.links.values()),
             "nodes": len(self.table.hop_paths),
             "streams": len(self.mux) if self.mux is not None else 0,
-            "notes": ["quic:// and udp:// mesh links are not implemented yet"]
-            if any(u.scheme in ("quic", "udp") for u in (*self.config.mesh.listen, *self.config.mesh.peers))
+            "notes": ["udp:// mesh links are not implemented yet"]
+            if any(u.scheme == "udp" for u in (*self.config.mesh.listen, *self.config.mesh.peers))
             else [],
         }
 
