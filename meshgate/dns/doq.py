@@ -305,7 +305,7 @@ class DoqProtocol(QuicConnectionProtocol):
 
 
 async def start_doq(pipeline: Pipeline, stats: ListenerStats, limits: LimitsConfig, host: str, port: int,
-                    cert: str, key: str) -> QuicServer:
+                    cert: str, key: str) -> tuple[QuicServer, set[DoqProtocol]]:
     config = QuicConfiguration(is_client=False, alpn_protocols=["doq"],
                                idle_timeout=limits.dns_tcp_idle_timeout)
     config.load_cert_chain(cert, key)
@@ -322,5 +322,6 @@ async def start_doq(pipeline: Pipeline, stats: ListenerStats, limits: LimitsConf
         proto.__init__(*args, **kwargs)  # type: ignore[misc]
         return proto
 
-    return await serve(host, port, configuration=config, create_protocol=make,
-                       session_ticket_fetcher=tickets.pop, session_ticket_handler=tickets.add)
+    server = await serve(host, port, configuration=config, create_protocol=make,
+                         session_ticket_fetcher=tickets.pop, session_ticket_handler=tickets.add)
+    return server, conns

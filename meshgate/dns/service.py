@@ -93,8 +93,9 @@ class DnsService:
             from meshgate.dns.doq import start_doq
 
             cert, key = self._tls_files(lst)
-            qserver = await start_doq(self.pipeline, stats, limits, host, port, cert, key)
+            qserver, qconns = await start_doq(self.pipeline, stats, limits, host, port, cert, key)
             self._closers.append(qserver)
+            self._conn_sets.append(qconns)
             qt = qserver._transport
             actual = _bound(qt.get_extra_info("sockname")) if qt is not None else lst.listen
         elif lst.protocol == "odoh":

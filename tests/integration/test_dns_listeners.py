@@ -650,6 +650,7 @@ async def test_doq_connection_cap(tmp_path: Any, auth: LocalAuthority) -> None:
             first._quic.send_stream_data(sid, doq_msg("alpha.mesh.internal"), end_stream=True)
             first.transmit()
             await async_wait_until(lambda: first.data(sid)[1], timeout=5)  # the admitted one still works
+        await async_wait_until(lambda: not _doq_conns(env), what="the first connection's slot freed")
         r = await dnspython_query(env, "quic", dns.message.make_query("alpha.mesh.internal", "A"))
         assert r.answer  # a slot frees when a connection ends
     finally:
@@ -659,10 +660,10 @@ async def test_doq_connection_cap(tmp_path: Any, auth: LocalAuthority) -> None:
 def _doq_conns(env: Env) -> set[Any]:
     from meshgate.dns.doq import DoqProtocol
 
-    for c in env.svc._closers:
-        protos = getattr(c, "_protocols", None)
-        if protos:
-            return {p for p in protos.values() if isinstance(p, DoqProtocol) and not p.over_cap}
+    for conns in env.svc._conn_sets:
+        found = {p for p in conns if isinstance(p, DoqProtocol)}
+        if found:
+            return found
     return set()
 
 
