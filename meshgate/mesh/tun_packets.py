@@ -139,19 +139,14 @@ def decrement_ttl(pkt: bytearray, off: int = 0) -> int:
     cover the TTL, so a partial (offloaded) TCP/UDP checksum stays valid.
     """
     if pkt[off] >> 4 == 4:
-        t = off + 8
-        old_word = (pkt[t] << 8) | pkt[t + 1]
-        pkt[t] -= 1
-        new_word = (pkt[t] << 8) | pkt[t + 1]
-        # HC' = ~(~HC + ~m + m')
-        hc = (pkt[off + 10] << 8) | pkt[off + 11]
-        s = (~hc & 0xFFFF) + (~old_word & 0xFFFF) + new_word
-        s = (s & 0xFFFF) + (s >> 16)
-        s = (s & 0xFFFF) + (s >> 16)
-        hc = ~s & 0xFFFF
+        # TTL is the high byte of its 16-bit word: the word drops by 0x0100, so the checksum
+        # rises by 0x0100 in ones' complement arithmetic (RFC 1624; Linux ip_decrease_ttl)
+        pkt[off + 8] -= 1
+        hc = ((pkt[off + 10] << 8) | pkt[off + 11]) + 0x0100
+        hc = (hc & 0xFFFF) + (hc >> 16)
         pkt[off + 10] = hc >> 8
         pkt[off + 11] = hc & 0xFF
-        return pkt[t]
+        return pkt[off + 8]
     pkt[off + 7] -= 1
     return pkt[off + 7]
 

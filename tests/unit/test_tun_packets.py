@@ -139,6 +139,14 @@ def test_decrement_ttl_v4_keeps_checksum_valid(ttl: int, proto: int, src: bytes,
     assert v4_header_ok(bytes(pkt))
 
 
+def test_decrement_ttl_v4_every_checksum_carry() -> None:
+    # the ident field steers the header checksum through its whole range, carries included
+    for ident in range(0, 0x10000, 3):
+        pkt = bytearray(ipv4(A4, B4, 6, b"", ttl=2, ident=ident))
+        tp.decrement_ttl(pkt)
+        assert ref_sum(bytes(pkt)) == 0xFFFF, ident
+
+
 def test_decrement_hop_limit_v6() -> None:
     pkt = bytearray(ipv6(A6, B6, 17, b"x" * 8, hop=9))
     assert tp.decrement_ttl(pkt) == 8
