@@ -47,6 +47,9 @@ L3_CHANNEL = 1  # mesh datagram channel carrying raw IP packets (UDP ASSOCIATE u
 L3_VNET_CHANNEL = 3  # IP packets behind a virtio-net header (TUN offloads: GSO super-packets)
 ROUTE_SYNC_INTERVAL = 1.0  # seconds between checks of the mesh route table for proxy-CIDR changes
 READ_SIZE = 65536
+# destinations remembered per route build; exit traffic has many, so the cache is cleared
+# when full (a lookup costs microseconds; like the mesh's own lookup cache, of the same size)
+ROUTE_CACHE = 4096
 
 _packets = REGISTRY.counter("meshgate_tun_packets_total", "IP packets through the TUN device",
                             ("direction",))
@@ -131,7 +134,7 @@ class TunPath:
     def _route_cache(self) -> dict[bytes, int]:
         table = getattr(self.mesh, "table", None)
         version = getattr(table, "version", None)
-        if version != self._routes_version or len(self._routes) > 4096:
+        if version != self._routes_version or len(self._routes) > ROUTE_CACHE:
             self._routes.clear()  # a new route build (or a bounded cache full): look up again
             self._routes_version = version
         return self._routes
