@@ -18,7 +18,7 @@ import pytest
 
 from meshgate.mesh import tun_packets as tp
 from meshgate.mesh.routing import Route
-from meshgate.mesh.tun import L3_CHANNEL, L3_VNET_CHANNEL, TunPath, remote_cidrs
+from meshgate.mesh.tun import L3_CHANNEL, L3_VNET_CHANNEL, ROUTE_CACHE, TunPath, remote_cidrs
 from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
 from tests.unit.test_tun_packets import A4, A6, B4, B6, icmp_echo, ipv4, ipv6, ref_sum
@@ -128,6 +128,17 @@ async def test_route_cache_follows_table_version(pair: Any) -> None:
     await async_wait_until(lambda: len(mesh.sent) == 4)
     assert mesh.sent[-1][0] == 0x0D
     path.stop()
+
+
+async def test_route_cache_is_bounded(pair: Any) -> None:
+    dev, _host = pair
+    mesh = FakeMesh()
+    path = make_path(dev, mesh)
+    path.stop()
+    for i in range(ROUTE_CACHE + 500):  # exit traffic: a new destination per packet
+        path._from_device(ipv4(B4, (0x0B000000 + i).to_bytes(4, "big"), tp.PROTO_UDP, b"\x00" * 8),
+                          path._route_cache())
+        assert len(path._routes) <= ROUTE_CACHE + 1
 
 
 async def test_no_route_answers_icmp_unreachable(pair: Any) -> None:
