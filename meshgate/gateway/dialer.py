@@ -71,6 +71,16 @@ def reply_for(exc: BaseException) -> int:
     return socks5.REP_GENERAL_FAILURE
 
 
+def _is_ip_literal(host: str) -> bool:
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return True
+    return False
+
+
 def _ip(host: str) -> IPAddress | None:
     try:
         return ipaddress.ip_address(host)
@@ -144,10 +154,16 @@ class Dialer:
     async def _connect(
         self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
     ) -> tuple[asyncio.Transport, asyncio.Protocol, tuple[str, int]]:
-        addrs = await self.resolve(host, port)
-        allowed = [a for a in addrs if self._allowed(a, port)]
-        if not allowed:
-            raise DialError(socks5.REP_NOT_ALLOWED, f"{host}:{port} is not allowed by the egress rules")
+        allowed: list[IPAddress] | list[str]
+        if self.policy is None and _is_ip_literal(host):
+            # An address literal with no egress rules to check: connect at once,
+            # without building ipaddress objects on the per-connection path.
+            allowed = [host]
+        else:
+            addrs = await self.resolve(host, port)
+            allowed = [a for a in addrs if self._allowed(a, port)]
+            if not allowed:
+                raise DialError(socks5.REP_NOT_ALLOWED, f"{host}:{port} is not allowed by the egress rules")
         loop = asyncio.get_running_loop()
         first_error: BaseException | None = None
         for ip in allowed:

@@ -136,7 +136,13 @@ class Socks5Server:
 _HANDSHAKE, _CONNECTING, _RELAY, _UDP, _CLOSED = range(5)
 
 
-class ClientProtocol(asyncio.BufferedProtocol):
+class _RelayProtocol(asyncio.Protocol, asyncio.BufferedProtocol):
+    """Both kinds at once: socket transports see a BufferedProtocol and read
+    into `get_buffer()`; transports that deliver bytes (mesh streams, which
+    check for asyncio.Protocol) call `data_received`."""
+
+
+class ClientProtocol(_RelayProtocol):
     """One SOCKS client connection, from greeting to close."""
 
     def __init__(self, server: Socks5Server) -> None:
@@ -220,7 +226,8 @@ class ClientProtocol(asyncio.BufferedProtocol):
         rb = self.server.read_buffer
         if self.state == _RELAY:  # the hot path
             up = self.upstream
-            assert up is not None
+            if up is None:
+                return  # the destination is gone; this connection is closing
             up.write(rb.view[:nbytes])
             if up.get_write_buffer_size():
                 rb.renew()  # the transport may hold a view of it: never reuse
@@ -231,10 +238,10 @@ class ClientProtocol(asyncio.BufferedProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self.state == _RELAY:
-            self._active = True
-            self._bytes_in.add(len(data))
-            assert self.upstream is not None
-            self.upstream.write(data)
+            if self.upstream is not None:
+                self._active = True
+                self._bytes_in.add(len(data))
+                self.upstream.write(data)
             return
         if self.state == _HANDSHAKE:
             self._handshake(data)
@@ -332,13 +339,8 @@ class ClientProtocol(asyncio.BufferedProtocol):
     async def _connect(self, request: socks5.Request) -> None:
         host, port = request.host, request.port
 
-        def factory() -> asyncio.Protocol:
-            # A BufferedProtocol that also has data_received, so transports of
-            # either kind (sockets, mesh streams) can drive it.
-            return cast(asyncio.Protocol, UpstreamProtocol(self))
-
         try:
-            transport, _, bound = await self.server.dialer.connect(host, port, factory)
+            transport, _, bound = await self.server.dialer.connect(host, port, lambda: UpstreamProtocol(self))
         except DialError as e:
             rlog.debug(f"dial:{e.reply}", "socks5: %s for %s", e, _peer_text(self.peer))
             if self.state == _CONNECTING:
@@ -474,7 +476,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self.close()
 
 
-class UpstreamProtocol(asyncio.BufferedProtocol):
+class UpstreamProtocol(_RelayProtocol):
     """The destination side of one relay; every event goes to its client.
 
     Socket transports use the buffered path (get_buffer/buffer_updated); a
@@ -495,7 +497,8 @@ class UpstreamProtocol(asyncio.BufferedProtocol):
         rb = client.server.read_buffer
         if client.state == _RELAY:  # the hot path
             t = client.transport
-            assert t is not None
+            if t is None:
+                return
             t.write(rb.view[:nbytes])
             if t.get_write_buffer_size():
                 rb.renew()  # the transport may hold a view of it: never reuse

@@ -18,7 +18,6 @@ per-packet path stays free of string work.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -302,16 +301,19 @@ def encode_address(host: str | None, port: int) -> bytes:
     """ATYP + ADDR + PORT for an IP literal (or a name if it is not one)."""
     if not host:
         return b"\x01" + _ZERO_V4 + port.to_bytes(2, "big")
+    # inet_pton, not ipaddress: this runs once per CONNECT reply.
     try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        raw = host.encode("idna")
-        if len(raw) > 255:
-            raise ValueError(f"name too long for SOCKS: {len(raw)} bytes") from None
-        return bytes((ATYP_DOMAIN, len(raw))) + raw + port.to_bytes(2, "big")
-    if ip.version == 4:
-        return b"\x01" + ip.packed + port.to_bytes(2, "big")
-    return b"\x04" + ip.packed + port.to_bytes(2, "big")
+        return b"\x01" + socket.inet_pton(socket.AF_INET, host) + port.to_bytes(2, "big")
+    except OSError:
+        pass
+    try:
+        return b"\x04" + socket.inet_pton(socket.AF_INET6, host.split("%", 1)[0]) + port.to_bytes(2, "big")
+    except OSError:
+        pass
+    raw = host.encode("idna")
+    if len(raw) > 255:
+        raise ValueError(f"name too long for SOCKS: {len(raw)} bytes")
+    return bytes((ATYP_DOMAIN, len(raw))) + raw + port.to_bytes(2, "big")
 
 
 def build_reply(rep: int, host: str | None = None, port: int = 0) -> bytes:
