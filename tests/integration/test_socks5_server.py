@@ -623,3 +623,21 @@ async def test_burst_of_5000_connections_leaves_portal_serving_and_clean() -> No
         await async_wait_until(lambda: not p.clients, timeout=20, what="all clients closed")
         await async_wait_until(lambda: open_fds() <= fds0, timeout=20, what="file descriptors back")
         await async_wait_until(lambda: len(asyncio.all_tasks()) <= tasks0, timeout=20, what="tasks back")
+
+
+# --------------------------------------------------------------------------- service
+
+
+async def test_status_names_the_real_address_and_port_in_use_is_a_startup_error() -> None:
+    from meshgate.node import StartupError
+
+    async with portal() as p:
+        st = p.svc.status()
+        assert st["listen"] == f"127.0.0.1:{p.port}"
+        assert any(f"port {p.port}" in n for n in st["notes"])
+        taken = Config(
+            socks5=Socks5Config(listen=HostPort("127.0.0.1", p.port)), admin=AdminConfig(enable=False)
+        )
+        with pytest.raises(StartupError) as ei:
+            await Node(taken).start()
+        assert "socks5.listen" in str(ei.value) and f"127.0.0.1:{p.port}" in str(ei.value)
