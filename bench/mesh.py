@@ -18,9 +18,15 @@ Sections (each one table, medians of alternating rounds via bench/common.py):
 
     .venv/bin/python bench/mesh.py [--size MiB] [--rounds N] [--only stream,datagram,routing] [--json FILE]
 
-EasyTier is not run here (see the report in the issue note): its figures on
-this machine, through its own SOCKS5 portal, are ~44-49 MB/s one hop and
-~28-31 MB/s two hops (../shared/notes/reference-mesh.md).
+* **portal**: the same upload through a SOCKS5 portal on node A into a
+  three-node line A-B-C, one and two hops: meshgate (`meshgate run`
+  processes) beside the EasyTier core (`easytier_node.py` processes from
+  ../shared/peers), like for like. EasyTier contacts STUN servers, so its
+  rows only run inside a loopback-only network namespace:
+
+    ../shared/peers/isolated .venv/bin/python bench/mesh.py --only portal
+
+  (outside one, the EasyTier rows are skipped with a note).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import functools
 import gc
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -83,22 +90,41 @@ def run(coro: Any) -> Any:
 # --------------------------------------------------------------------------- sink (child process)
 
 
-def serve_sink(port: int) -> None:
-    """Reads each connection to EOF, answers the byte count, closes."""
+class Sink(asyncio.Protocol):
+    """Each connection sends an 8-byte size, then that many bytes; the sink answers
+    the count once they are in (no half-close needed: EasyTier's portal loses it)."""
 
-    class Sink(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.t = transport
-            self.n = 0
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.t = transport
+        self.n = 0
+        self.expect = -1
+        self.head = b""
+        self.answered = False
 
-        def data_received(self, data: bytes) -> None:
-            self.n += len(data)
+    def data_received(self, data: bytes) -> None:
+        if self.expect < 0:
+            need = 8 - len(self.head)
+            self.head += data[:need]
+            data = data[need:]
+            if len(self.head) < 8:
+                return
+            self.expect = int.from_bytes(self.head, "big")
+        self.n += len(data)
+        if self.n >= self.expect:
+            self.answer()
 
-        def eof_received(self) -> bool:
+    def eof_received(self) -> bool:
+        self.answer()
+        return True
+
+    def answer(self) -> None:
+        if not self.answered:
+            self.answered = True
             self.t.write(str(self.n).encode())  # type: ignore[attr-defined]
             self.t.close()
-            return True
 
+
+def serve_sink(port: int) -> None:
     loop = new_loop()
     loop.run_until_complete(loop.create_server(Sink, "127.0.0.1", port))
     loop.run_forever()
@@ -162,11 +188,11 @@ async def _upload(transport: Any, proto: Collector, size: int) -> float:
     block = os.urandom(MIB)
     t0 = time.perf_counter()
     sent = 0
+    transport.write(size.to_bytes(8, "big"))
     while sent < size:
         await proto.writable.wait()
         transport.write(block)
         sent += len(block)
-    transport.write_eof()
     got = await asyncio.wait_for(proto.done, 300)
     elapsed = time.perf_counter() - t0
     if int(got or b"0") != size:
@@ -223,18 +249,6 @@ def stream_ring(size: int, hops: int) -> Metrics:
     """All nodes and the sink in this process: one core does everything."""
 
     async def go() -> float:
-        class Sink(asyncio.Protocol):
-            def connection_made(self, t: asyncio.BaseTransport) -> None:
-                self.t, self.n = t, 0
-
-            def data_received(self, d: bytes) -> None:
-                self.n += len(d)
-
-            def eof_received(self) -> bool:
-                self.t.write(str(self.n).encode())  # type: ignore[attr-defined]
-                self.t.close()
-                return True
-
         loop = asyncio.get_running_loop()
         srv = await loop.create_server(Sink, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
@@ -405,6 +419,159 @@ def convergence_time(n: int) -> Metrics:
     return result
 
 
+# --------------------------------------------------------------------------- SOCKS5 portal vs EasyTier
+
+PEERS = Path(os.environ.get("MESHGATE_PEERS", "/work/shared/peers"))
+
+
+def loopback_only() -> bool:
+    with open("/proc/self/net/dev") as f:
+        return [line.split(":")[0].strip() for line in f.readlines()[2:]] == ["lo"]
+
+
+def socks_upload(proxy: tuple[str, int], host: str, port: int, size: int) -> float:
+    """SOCKS5 CONNECT (no auth) to host:port, send `size` bytes, read the count."""
+    with socket.create_connection(proxy, timeout=60) as s:
+        s.sendall(b"\x05\x01\x00")
+        if s.recv(2) != b"\x05\x00":
+            raise RuntimeError("SOCKS5 method refused")
+        s.sendall(b"\x05\x01\x00\x01" + socket.inet_aton(host) + port.to_bytes(2, "big"))
+        reply = b""
+        while len(reply) < 10:
+            part = s.recv(10 - len(reply))
+            if not part:
+                raise RuntimeError("SOCKS5 connection closed during CONNECT")
+            reply += part
+        if reply[1] != 0:
+            raise RuntimeError(f"SOCKS5 CONNECT failed with code {reply[1]}")
+        block = os.urandom(MIB)
+        t0 = time.perf_counter()
+        s.sendall(size.to_bytes(8, "big"))
+        for _ in range(size // MIB):
+            s.sendall(block)
+        got = b""
+        while chunk := s.recv(64):
+            got += chunk
+        elapsed = time.perf_counter() - t0
+    if int(got or b"0") != size:
+        raise RuntimeError(f"sink counted {got!r}, sent {size}")
+    return elapsed
+
+
+class PortalLine:
+    """A-B-C line with a SOCKS5 portal on A, as meshgate or EasyTier processes."""
+
+    def __init__(self, kind: str, sink_port: int) -> None:
+        self.kind = kind
+        self.sink_port = sink_port
+        self.tmp = tempfile.TemporaryDirectory(prefix=f"portal-{kind}-")
+        self.socks = free_port()
+        self.ports = [free_port() for _ in range(3)]
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.ips = {"a": "10.144.144.1", "b": "10.144.144.2", "c": "10.144.144.3"}
+
+    def _meshgate(self, name: str, peers: list[int]) -> subprocess.Popen[bytes]:
+        state = Path(self.tmp.name) / name
+        state.mkdir()
+        peer_list = ", ".join(f'"tcp://127.0.0.1:{p}"' for p in peers)
+        socks = f'enable = true\nlisten = "127.0.0.1:{self.socks}"' if name == "a" else "enable = false"
+        cfg = Path(self.tmp.name) / f"{name}.toml"
+        port = self.ports["abc".index(name)]
+        cfg.write_text(
+            f'[node]\nname = "{name}"\nnetwork = "bench"\nsecret = "bench secret"\n'
+            f'ipv4 = "{self.ips[name]}/24"\nstate_dir = "{state}"\n'
+            f'[mesh]\nlisten = ["tcp://127.0.0.1:{port}"]\npeers = [{peer_list}]\n'
+            # no direct fallback: before the routes converge, a connect to a virtual IP
+            # must fail, not leave this host for an address outside loopback
+            "direct_fallback = false\n"
+            f"[socks5]\n{socks}\n[admin]\nenable = false\n"
+        )
+        return subprocess.Popen(
+            [sys.executable, "-m", "meshgate", "run", "-c", str(cfg), "--log-level", "warning"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+    def _easytier(self, name: str, peers: list[int]) -> subprocess.Popen[bytes]:
+        port = self.ports["abc".index(name)]
+        argv = [sys.executable, str(PEERS / "easytier_node.py"), "--name", name, "--ip", self.ips[name],
+                "--listen", f"tcp://127.0.0.1:{port}", "--expect-routes", "2"]
+        for p in peers:
+            argv += ["--peer", f"tcp://127.0.0.1:{p}"]
+        if name == "a":
+            argv += ["--socks5", f"127.0.0.1:{self.socks}"]
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    def start(self) -> None:
+        start = self._meshgate if self.kind == "meshgate" else self._easytier
+        self.procs["a"] = start("a", [])
+        self.procs["b"] = start("b", [self.ports[0]])
+        self.procs["c"] = start("c", [self.ports[1]])
+        if self.kind == "easytier":
+            for p in self.procs.values():
+                assert p.stdout is not None
+                if b'"ready": true' not in p.stdout.readline():
+                    raise RuntimeError("an EasyTier node did not become ready")
+        wait_port("127.0.0.1", self.socks, 30)
+        # routes: retry a tiny transfer to c until the line has converged
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socks_upload(("127.0.0.1", self.socks), self.ips["c"], self.sink_port, MIB)
+                break
+            except (OSError, RuntimeError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def measure(self, hops: int, size: int) -> Metrics:
+        target = self.ips["b" if hops == 1 else "c"]
+        cpu0 = {n: proc_cpu_seconds(p.pid) for n, p in self.procs.items()}
+        elapsed = socks_upload(("127.0.0.1", self.socks), target, self.sink_port, size)
+        gib = size / GIB
+        out: Metrics = {"MB/s": size / elapsed / 1e6}
+        for n, p in self.procs.items():
+            out[f"{n.upper()}_cpu_s/GiB"] = (proc_cpu_seconds(p.pid) - cpu0[n]) / gib
+        out["rss_MiB_max"] = max(proc_peak_rss_kib(p.pid) for p in self.procs.values()) / 1024
+        return out
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.tmp.cleanup()
+
+
+def portal_section(rounds: int, size: int) -> list[Runner]:
+    sink_port = free_port()
+    sink = subprocess.Popen([sys.executable, __file__, "--sink", str(sink_port)], stdout=subprocess.DEVNULL)
+    wait_port("127.0.0.1", sink_port, 10)
+    kinds = ["meshgate"]
+    if loopback_only():
+        kinds.append("easytier")
+    else:
+        print("portal: not in a loopback-only namespace; EasyTier rows skipped "
+              "(run under ../shared/peers/isolated)", file=sys.stderr)
+    lines = {k: PortalLine(k, sink_port) for k in kinds}
+    try:
+        for line in lines.values():
+            line.start()
+        r = Runner(f"SOCKS5 portal upload {size // MIB} MiB into an A-B-C line (processes)", rounds)
+        for hops in (1, 2):
+            for k, line in lines.items():
+                r.add(f"{k}-{hops}hop", functools.partial(line.measure, hops, size))
+        r.run()
+        return [r]
+    finally:
+        for line in lines.values():
+            line.stop()
+        sink.terminate()
+        sink.wait(5)
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -447,6 +614,9 @@ def main() -> None:
                 r.add(f"{kind}-{hops}hop", functools.partial(datagram_rate, kind, hops, args.seconds))
         r.run()
         runners.append(r)
+
+    if "portal" in sections:
+        runners.extend(portal_section(args.rounds, size))
 
     if "routing" in sections:
         r = Runner("route rebuild (one graph build, both policies)", args.rounds)
