@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,10 +71,10 @@ def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
         t.config("a", A_CONF)
         t.config("b", B_CONF)
         t.config("c", C_CONF)
-        t.spawn("lan-echo", "lan", ["python3", "-m", "tests.system.tun_tools", "echo-server",
+        t.spawn("lan-echo", "lan", [sys.executable, "-m", "tests.system.tun_tools", "echo-server",
                                     "--tcp", f"0.0.0.0:{PORT},[::]:{PORT}",
                                     "--udp", f"0.0.0.0:{PORT},[::]:{PORT}"])
-        t.spawn("inet-echo", "inet", ["python3", "-m", "tests.system.tun_tools", "echo-server",
+        t.spawn("inet-echo", "inet", [sys.executable, "-m", "tests.system.tun_tools", "echo-server",
                                       "--tcp", f"0.0.0.0:{PORT},[::]:{PORT}", "--udp", f"0.0.0.0:{PORT}"])
         for role in ("c", "b", "a"):
             t.start_node(role)
