@@ -173,6 +173,7 @@ class LimitsConfig:
     socks5_idle_timeout: float = 300.0
     socks5_udp_idle_timeout: float = 60.0
     socks5_udp_max_targets: int = 256
+    mesh_udp_max_associations: int = 4096
     socks5_write_high_water: int = 1 << 20
     stream_window: int = 262144
     max_streams_per_peer: int = 4096

@@ -46,6 +46,7 @@ class Node:
         self.mesh: Any = None  # meshgate.mesh.service.MeshService when the mesh is on
         self.resolver: Any = None  # meshgate.dns.resolver pipeline when DNS is on
         self.dialer: Any = None  # meshgate.gateway.dialer.Dialer
+        self.udp_hub: Any = None  # meshgate.mesh.udp_relay.UdpHub on mesh nodes
         self._stopped = asyncio.Event()
 
     def _plan(self) -> list[Service]:
@@ -100,8 +101,16 @@ class Node:
                 raise
             self.services.append(svc)
             log.debug("started %s", svc.name)
+            if svc is self.mesh:
+                # Every mesh node can be where SOCKS UDP leaves the mesh.
+                from meshgate.mesh.udp_relay import UdpHub
+
+                UdpHub.for_node(self)
 
     async def stop(self) -> None:
+        if self.udp_hub is not None:
+            self.udp_hub.close()
+            self.udp_hub = None
         while self.services:
             svc = self.services.pop()
             try:

@@ -20,15 +20,19 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
+from meshgate.buffers import BufferPool
 from meshgate.gateway import socks5
-from meshgate.gateway.dialer import Dialer, DialError
+from meshgate.gateway.dialer import Dialer, DialError, OnDatagram
 from meshgate.mesh.exit import connector
 from meshgate.mesh.routing import Route
 from meshgate.mesh.streams import StreamError
 from meshgate.metrics import REGISTRY
 from meshgate.policy import IPAddress
+
+if TYPE_CHECKING:
+    from meshgate.mesh.udp_relay import PortalUdp
 
 _routed = REGISTRY.counter(
     "meshgate_socks5_routed_total", "SOCKS5 CONNECT destinations by where they leave", ("via",)
@@ -78,12 +82,27 @@ class MeshDialer(Dialer):
             return ip
         return None
 
+    async def resolve(self, host: str, port: int) -> list[IPAddress]:
+        """Mesh and static names first (UDP ASSOCIATE resolves through here), then DNS."""
+        try:
+            return [ipaddress.ip_address(host)]
+        except ValueError:
+            pass
+        ip = self.mesh_name(host)
+        return [ip] if ip is not None else await super().resolve(host, port)
+
     def route_name(self) -> Route | None:
         """Where a name with no mesh meaning leaves: an exit, or a catch-all proxy CIDR."""
         route: Route | None = self.mesh.table.exit_route(bool(self.mesh.policy_flag))
         if route is None:
             route = self.mesh.lookup(_PROBE_V4)
         return route
+
+    async def open_udp(self, on_datagram: OnDatagram, pool: BufferPool) -> PortalUdp:  # type: ignore[override]
+        """UDP ASSOCIATE: datagrams ride mesh datagrams to the node where they leave."""
+        from meshgate.mesh.udp_relay import PortalUdp, UdpHub
+
+        return PortalUdp(UdpHub.for_node(self.node), on_datagram, pool, direct=self.direct_fallback)
 
     async def connect(
         self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]

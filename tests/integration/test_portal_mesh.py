@@ -191,3 +191,54 @@ async def test_dns_upstream_on_another_node_is_reached_over_the_mesh(tmp_path: A
     finally:
         await a.stop()
         await b.stop()
+
+
+# --------------------------------------------------------------------------- UDP ASSOCIATE over the mesh
+
+
+async def test_udp_associate_over_the_mesh(line: dict[str, Node]) -> None:
+    import socket
+
+    from tests.integration.test_socks5_server import UdpEcho, read_reply, request, udp_exchange, udp_header
+
+    svc = next(s for s in line["a"].services if s.name == "socks5")
+    addr = svc.address  # type: ignore[attr-defined]
+    echo = UdpEcho("127.0.0.1")
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client.bind(("127.0.0.1", 0))
+    client.setblocking(False)
+    reader, writer = await asyncio.open_connection(addr.host, addr.port)
+    try:
+        writer.write(b"\x05\x01\x00")
+        assert await reader.readexactly(2) == b"\x05\x00"
+        writer.write(request(3, 1, bytes(4), 0))
+        rep, _atyp, bnd, port = await read_reply(reader)
+        assert rep == 0
+        relay = (socket.inet_ntoa(bnd), port)
+        egress_before = REGISTRY.value("meshgate_mesh_udp_datagrams_total", "received")
+
+        # C's virtual IP: the datagram leaves at C (its loopback), the reply comes back via B
+        hdr = udp_header(1, socket.inet_aton("10.144.1.3"), echo.port)
+        assert await udp_exchange(client, relay, hdr + b"to-c") == hdr + b"echo:to-c"
+        # the mapped proxy CIDR on C: 10.2.2.1 -> 127.0.0.1, the reply under the mapped address
+        mapped = udp_header(1, socket.inet_aton("10.2.2.1"), echo.port)
+        assert await udp_exchange(client, relay, mapped + b"mapped") == mapped + b"echo:mapped"
+        # a mesh name resolves to C's virtual IP; the reply keeps the name
+        named = udp_header(3, b"c.mesh.internal", echo.port)
+        assert await udp_exchange(client, relay, named + b"named") == named + b"echo:named"
+        assert REGISTRY.value("meshgate_mesh_udp_datagrams_total", "received") == egress_before + 3
+
+        # a private address outside C's proxy CIDR is refused by C's exit policy and counted
+        refused = REGISTRY.value("meshgate_mesh_udp_dropped_total", "not_allowed")
+        client.sendto(udp_header(1, socket.inet_aton("10.1.5.5"), 53) + b"nope", relay)
+        await async_wait_until(
+            lambda: REGISTRY.value("meshgate_mesh_udp_dropped_total", "not_allowed") == refused + 1,
+            what="policy drop counted at the exit")
+        assert len(echo.received) == 3
+    finally:
+        writer.close()
+        client.close()
+        echo.close()
+    # the association ends with its TCP connection: A forgets it
+    hub = line["a"].udp_hub
+    await async_wait_until(lambda: not hub.portals, what="association closed on A")

@@ -1,0 +1,284 @@
+"""SOCKS5 UDP ASSOCIATE over the mesh: datagrams to the node where they leave.
+
+Portal side (`PortalUdp`, one per association): the SOCKS relay hands each
+datagram with its resolved target to `sendto`; the mesh route table picks the
+owner node (virtual IP, proxy CIDR, exit) and the datagram travels as a mesh
+datagram on `UDP_CHANNEL`. Replies come back on `UDP_REPLY_CHANNEL` carrying
+the address the portal asked for, so the SOCKS NAT table matches them.
+
+Egress side (`UdpEgress`, one per node): a bounded table of associations
+keyed by (source node, association id), each with its own UDP sockets (a NAT
+binding per association, as a SOCKS server gives each client), the exit rules
+(own virtual IP -> loopback, mapped CIDR -> real, `[exit]` policy) applied to
+every new target, idle expiry.
+
+Wire (both channels): u32 association id | u16 port | u8 family (4|6) |
+address (4 or 16 bytes) | payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import itertools
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from meshgate.buffers import Buffer, BufferPool
+from meshgate.gateway.dialer import LocalUdpEgress
+from meshgate.logs import RateLimitedLog
+from meshgate.mesh.exit import ExitRules
+from meshgate.metrics import REGISTRY
+
+log = logging.getLogger("meshgate.mesh.udp")
+_rlog = RateLimitedLog(log)
+
+UDP_CHANNEL = 4  # portal -> egress (TUN uses 1 and 3)
+UDP_REPLY_CHANNEL = 5  # egress -> portal
+
+_HEAD = struct.Struct("!IHB")
+_DATAGRAMS = REGISTRY.counter(
+    "meshgate_mesh_udp_datagrams_total", "SOCKS UDP datagrams carried over the mesh", ("event",)
+)
+_SENT, _RECEIVED = _DATAGRAMS.labels("sent"), _DATAGRAMS.labels("received")
+_DROPPED = REGISTRY.counter(
+    "meshgate_mesh_udp_dropped_total", "SOCKS UDP datagrams dropped on the mesh path", ("reason",)
+)
+_DROP_BAD = _DROPPED.labels("malformed")
+_DROP_POLICY = _DROPPED.labels("not_allowed")
+_DROP_NO_ROUTE = _DROPPED.labels("no_route")
+_DROP_TABLE = _DROPPED.labels("association_table_full")
+_DROP_TARGETS = _DROPPED.labels("targets_full")
+_DROP_UNKNOWN = _DROPPED.labels("unknown_association")
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+OnDatagram = Callable[[Buffer, tuple[str, int]], None]
+
+
+class UdpWireError(ValueError):
+    pass
+
+
+def encode(assoc: int, ip: IPAddress, port: int, payload: bytes | memoryview) -> bytes:
+    return _HEAD.pack(assoc, port, ip.version) + ip.packed + payload
+
+
+def decode(data: bytes | memoryview) -> tuple[int, IPAddress, int, memoryview]:
+    """(association id, address, port, payload); UdpWireError on anything malformed."""
+    view = memoryview(data)
+    if len(view) < _HEAD.size:
+        raise UdpWireError("short header")
+    assoc, port, family = _HEAD.unpack_from(view)
+    n = {4: 4, 6: 16}.get(family)
+    if n is None or len(view) < _HEAD.size + n:
+        raise UdpWireError(f"bad address family {family}")
+    raw = bytes(view[_HEAD.size : _HEAD.size + n])
+    ip: IPAddress = ipaddress.IPv4Address(raw) if n == 4 else ipaddress.IPv6Address(raw)
+    return assoc, ip, port, view[_HEAD.size + n :]
+
+
+# --------------------------------------------------------------------------- portal side
+
+
+class PortalUdp:
+    """The dialer's UDP egress for one association when the node is in a mesh.
+
+    Same interface as LocalUdpEgress (`sendto`, `close`); destinations with
+    no mesh route use a LocalUdpEgress when `mesh.direct_fallback` allows it.
+    """
+
+    def __init__(self, hub: UdpHub, on_datagram: OnDatagram, pool: BufferPool, direct: bool) -> None:
+        self.hub = hub
+        self.assoc = next(hub.ids)
+        self.on_datagram = on_datagram
+        self.pool = pool
+        self.local = LocalUdpEgress(hub.loop, on_datagram, pool) if direct else None
+        self.closed = False
+        hub.portals[self.assoc] = self
+
+    def sendto(self, data: bytes | memoryview, sockaddr: tuple[str, int], family: int) -> bool:
+        if self.closed:
+            return False
+        ip = ipaddress.ip_address(sockaddr[0])
+        route = self.hub.mesh.lookup(ip)
+        if route is None:
+            if self.local is not None:
+                return self.local.sendto(data, sockaddr, family)
+            _DROP_NO_ROUTE.inc()
+            return False
+        wire = encode(self.assoc, ip, sockaddr[1], data)
+        ok: bool = self.hub.mesh.send_datagram(route.node_id, UDP_CHANNEL, wire)
+        if ok:
+            _SENT.inc()
+        return ok
+
+    def reply(self, ip: IPAddress, port: int, payload: memoryview) -> None:
+        buf = self.pool.get()
+        try:
+            buf.write(payload)
+        except ValueError:
+            buf.recycle()
+            _DROP_BAD.inc()
+            return
+        self.on_datagram(buf, (str(ip), port))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.hub.portals.pop(self.assoc, None)
+            if self.local is not None:
+                self.local.close()
+
+
+# --------------------------------------------------------------------------- egress side
+
+
+class _EgressAssoc:
+    """One association's NAT state at the egress node.
+
+    Two addresses the portal used may lead to one real target (a node's
+    virtual IP and a mapped CIDR can both mean its loopback); replies must go
+    back under the address each was sent to, so such a target gets a second
+    socket ("slot"): a reply's slot and source say which address it answers.
+    """
+
+    __slots__ = ("asked", "by_real", "last", "socks")
+
+    def __init__(self, now: float) -> None:
+        self.socks: list[LocalUdpEgress] = []
+        self.by_real: list[dict[tuple[str, int], tuple[IPAddress, int]]] = []  # per slot
+        self.asked: dict[tuple[IPAddress, int], tuple[int, tuple[str, int]]] = {}  # -> (slot, real)
+        self.last = now
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+
+
+class UdpHub:
+    """Both sides on one node: registered on the mesh's two UDP channels."""
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self.mesh = node.mesh
+        limits = node.config.limits
+        self.loop: asyncio.AbstractEventLoop = asyncio.get_running_loop()
+        self.rules = ExitRules(node.config)
+        self.idle = limits.socks5_udp_idle_timeout
+        self.max_assocs = limits.mesh_udp_max_associations
+        self.max_targets = limits.socks5_udp_max_targets
+        self.pool = BufferPool(capacity=65536, headroom=0, max_free=32)
+        self.ids = itertools.count(1)
+        self.portals: dict[int, PortalUdp] = {}
+        self.egress: dict[tuple[int, int], _EgressAssoc] = {}
+        self.mesh.on_datagram(UDP_CHANNEL, self._from_portal)
+        self.mesh.on_datagram(UDP_REPLY_CHANNEL, self._from_egress)
+        self._expiry = self.loop.call_later(max(0.05, self.idle / 2), self._expire)
+
+    @classmethod
+    def for_node(cls, node: Any) -> UdpHub:
+        hub = node.udp_hub
+        if hub is None:
+            hub = node.udp_hub = cls(node)
+        assert isinstance(hub, UdpHub)
+        return hub
+
+    # portal -> egress
+    def _from_portal(self, src: int, data: bytes) -> None:
+        try:
+            assoc_id, ip, port, payload = decode(data)
+        except UdpWireError as e:
+            _DROP_BAD.inc()
+            _rlog.debug("udp-wire", "mesh UDP from %08x: %s", src, e)
+            return
+        now = self.loop.time()
+        key = (src, assoc_id)
+        entry = self.egress.get(key)
+        if entry is None:
+            if len(self.egress) >= self.max_assocs:
+                _DROP_TABLE.inc()
+                _rlog.debug("udp-table", "mesh UDP from %08x: table full (mesh_udp_max_associations)", src)
+                return
+            entry = self.egress[key] = _EgressAssoc(now)
+        entry.last = now
+        target = entry.asked.get((ip, port)) or self._new_target(key, entry, ip, port)
+        if target is None:
+            return
+        slot, real = target
+        if entry.socks[slot].sendto(payload, real, 6 if ":" in real[0] else 4):
+            _RECEIVED.inc()
+
+    def _new_target(
+        self, key: tuple[int, int], entry: _EgressAssoc, ip: IPAddress, port: int
+    ) -> tuple[int, tuple[str, int]] | None:
+        if ip in self.rules.own_ips:
+            real_ip: IPAddress = ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1")
+        else:
+            real_ip = self.rules.translate(ip)
+            why = self.rules.check(real_ip)
+            if why is not None:
+                _DROP_POLICY.inc()
+                _rlog.debug(f"udp-policy:{real_ip}", "mesh UDP to %s:%d refused: %s", ip, port, why)
+                return None
+        if len(entry.asked) >= self.max_targets:
+            _DROP_TARGETS.inc()
+            return None
+        real = (str(real_ip), port)
+        slot = next((i for i, m in enumerate(entry.by_real) if real not in m), len(entry.socks))
+        if slot == len(entry.socks):
+            entry.socks.append(LocalUdpEgress(self.loop, self._replier(key, slot), self.pool))
+            entry.by_real.append({})
+        entry.by_real[slot][real] = (ip, port)
+        entry.asked[(ip, port)] = (slot, real)
+        return slot, real
+
+    def _replier(self, key: tuple[int, int], slot: int) -> OnDatagram:
+        return lambda buf, addr: self._reply(key, slot, buf, addr)
+
+    # egress: a reply from a target
+    def _reply(self, key: tuple[int, int], slot: int, buf: Buffer, addr: tuple[str, int]) -> None:
+        entry = self.egress.get(key)
+        asked = entry.by_real[slot].get((addr[0], addr[1])) if entry is not None else None
+        if asked is None:
+            buf.recycle()
+            _DROP_UNKNOWN.inc()
+            return
+        assert entry is not None
+        entry.last = self.loop.time()
+        view = buf.view()
+        try:
+            self.mesh.send_datagram(key[0], UDP_REPLY_CHANNEL, encode(key[1], asked[0], asked[1], view))
+        finally:
+            view.release()
+            buf.recycle()  # encode() copied the payload
+
+    # egress -> portal
+    def _from_egress(self, src: int, data: bytes) -> None:
+        try:
+            assoc_id, ip, port, payload = decode(data)
+        except UdpWireError:
+            _DROP_BAD.inc()
+            return
+        portal = self.portals.get(assoc_id)
+        if portal is None:
+            _DROP_UNKNOWN.inc()
+            return
+        portal.reply(ip, port, payload)
+
+    def _expire(self) -> None:
+        now = self.loop.time()
+        for key, entry in list(self.egress.items()):
+            if now - entry.last > self.idle:
+                entry.close()
+                del self.egress[key]
+        self._expiry = self.loop.call_later(max(0.05, self.idle / 2), self._expire)
+
+    def close(self) -> None:
+        self._expiry.cancel()
+        for entry in self.egress.values():
+            entry.close()
+        self.egress.clear()
+        for portal in list(self.portals.values()):
+            portal.close()
