@@ -55,6 +55,13 @@ def topo() -> Iterator[Topology]:
         t.spawn("srv-c", "c", [py, "-m", "tests.system.http_probe", "127.0.0.1", str(PORT), "C-local"])
         t.spawn("srv-lan", "lan", [py, "-m", "tests.system.http_probe", "10.1.2.10", str(PORT), "lan"])
         t.spawn("srv-inet", "inet", [py, "-m", "tests.system.http_probe", "198.51.100.10", str(PORT), "inet"])
+        # a resolver on the lan, answering one name: the UDP-over-mesh test asks it
+        (workdir / "lan-dns.toml").write_text(
+            f'[node]\nname = "landns"\nstate_dir = "{workdir / "state-landns"}"\n{NO_PORTAL}'
+            '[dns]\nrecords = { "printer.lan.test." = "10.1.2.99" }\n'
+            '[[dns.listener]]\nprotocol = "udp"\nlisten = "10.1.2.10:5353"\n'
+            '[admin]\nlisten = "127.0.0.1:15888"\n')
+        t.spawn("lan-dns", "lan", [py, "-m", "meshgate", "run", "-c", str(workdir / "lan-dns.toml")])
         node_toml("b", workdir, "10.144.7.2", 'listen = ["tcp://0.0.0.0:11010"]', NO_PORTAL)
         node_toml("c", workdir, C_VIP, C_MESH_EXIT, C_EXTRA)
         for role in ("b", "c"):
@@ -163,3 +170,14 @@ def test_chromium_in_as_namespace(a_auto: Topology) -> None:
             r = a_auto.nsexec("a", chromium, *flags, f"--user-data-dir={profile}", "--dump-dom", url,
                               timeout=120)
         assert expect in r.stdout, r.stderr[-1500:]
+
+
+@pytest.mark.parametrize("server", ["10.1.2.10", "10.2.2.10"])
+def test_dns_over_socks_udp_to_a_lan_resolver(a_auto: Topology, server: str) -> None:
+    import json
+
+    start_a(a_auto, '["auto"]')
+    r = a_auto.nsexec("a", sys.executable, "-m", "tests.system.socks_udp_dns", "127.0.0.1", "1080", server,
+                      "5353", "printer.lan.test")
+    assert r.returncode == 0, r.stderr + a_auto.log("lan-dns")
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"rcode": 0, "addresses": ["10.1.2.99"]}
