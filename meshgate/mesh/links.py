@@ -170,6 +170,11 @@ class Link(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def mark_dead(self) -> None:
+        """The owner has already withdrawn this link: later callbacks are no news."""
+        self.peer = None
+        self._failed = True
+
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self._flush()

@@ -306,6 +306,14 @@ class MeshService:
             return False
         if not self._running:
             return False
+        if sum(map(len, self.links.values())) >= self.config.limits.max_peers:
+            self.stats["too_many_links"] += 1
+            _handshakes.labels("refused_max_peers").inc()
+            _rlog.warning(
+                "max_peers", "link %s (%s) refused: %d links already (limits.max_peers)",
+                link.url, peer.name, self.config.limits.max_peers,
+            )
+            return False
         _handshakes.labels("ok").inc()
         self.stats["handshake_ok"] += 1
         links = self.links.setdefault(peer.node_id, [])
@@ -384,8 +392,7 @@ class MeshService:
         if not self.links.get(nid):
             self.links.pop(nid, None)
             self.table.neighbour_down(nid)
-        link.peer = None
-        link._failed = True
+        link.mark_dead()
         self._update_neighbours()
 
     def _report_counters(self, link: Link) -> None:

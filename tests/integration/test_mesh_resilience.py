@@ -219,3 +219,14 @@ async def test_forged_records_on_a_live_link_are_dropped_and_counted() -> None:
         assert REGISTRY.value("meshgate_mesh_records_dropped_total", "forged") >= 3
     finally:
         await stop_all([a, b])
+
+
+async def test_max_peers_bounds_links() -> None:
+    r = ring_name()
+    hub = await start_node(node_config("hub", listen=[f"ring://{r}"], limits={"max_peers": 2}), 1)
+    spokes = [await start_node(node_config(f"s{i}", peers=[f"ring://{r}"]), 10 + i) for i in range(3)]
+    try:
+        await async_wait_until(lambda: hub.stats["too_many_links"] >= 1, 10, "a refused link")
+        assert sum(map(len, hub.links.values())) == 2
+    finally:
+        await stop_all([hub, *spokes])
