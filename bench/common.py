@@ -32,6 +32,7 @@ so `from bench.common import ...` works. Usage::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import json
@@ -39,9 +40,11 @@ import os
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
@@ -92,6 +95,14 @@ def proc_peak_rss_kib(pid: int) -> int:
     """VmHWM (peak resident set) of one process, in KiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def proc_rss_kib(pid: int) -> int:
+    """VmRSS (resident set now) of one process, in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
 
@@ -194,6 +205,7 @@ class Peer:
     env: dict[str, str] | None = None
     cwd: str | None = None
     pid_file: str | None = None  # daemons that fork (dante) tell us their real pid here
+    ready_text: str | None = None  # wait for this in the output instead of the port (no listener)
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _cpu0: float = field(default=0.0, init=False)
     _log: Any = field(default=None, init=False)
@@ -212,13 +224,30 @@ class Peer:
             start_new_session=True,  # its own process group, so stop() reaches its workers
         )
         try:
-            wait_port(self.host, self.port, timeout, self.proc)
+            if self.ready_text is not None:
+                self._wait_output(self.ready_text, timeout)
+            else:
+                wait_port(self.host, self.port, timeout, self.proc)
         except RuntimeError:
             err = self._stderr_tail()
             self.stop()
             raise RuntimeError(f"peer {self.name} did not start: {err}") from None
         self._cpu0 = self.cpu_seconds()
         return self
+
+    def _wait_output(self, text: str, timeout: float) -> None:
+        assert self.proc is not None and self._log is not None
+        deadline = time.monotonic() + timeout
+        fd = self._log.fileno()
+        while True:
+            # pread, not seek+read: the child shares this file's offset and keeps writing at it
+            if text.encode() in os.pread(fd, os.fstat(fd).st_size, 0):
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.proc.args!r} exited with {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {text!r} in the output after {timeout}s")
+            time.sleep(0.02)
 
     def _stderr_tail(self) -> str:
         if self._log is None:
@@ -263,6 +292,371 @@ class Peer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def git_tree(ref: str, workdir: str, paths: Sequence[str] = ("meshgate",)) -> Path:
+    """`paths` as of git `ref`, extracted (git archive) under `workdir`, for A/B runs of a change.
+    Run it with cwd = the returned directory so `python -m meshgate` imports this copy."""
+    tree = Path(workdir, f"tree-{ref.replace('/', '_')}")
+    if not tree.exists():
+        tree.mkdir()
+        root = Path(__file__).resolve().parent.parent
+        archive = subprocess.run(
+            ["git", "-C", str(root), "archive", ref, *paths], check=True, capture_output=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+# --------------------------------------------------------------------------- SOCKS5 targets and client
+# One client for every SOCKS5 benchmark (bench/socks.py, bench/portal.py), so every
+# row of every table is driven the same way. The targets run in a child process
+# (`Targets`), so client, proxy and targets are separate processes, as they would be.
+
+CHUNK = 1 << 20
+REQUEST = b"q" * 64
+RESPONSE = b"r" * 64
+
+
+def _bulk_conn(conn: socket.socket) -> None:
+    """One target connection: 'D'+size downloads, 'U'+size uploads, 'E'+0 echoes until EOF."""
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hdr = b""
+        while len(hdr) < 9:
+            part = conn.recv(9 - len(hdr))
+            if not part:
+                return
+            hdr += part
+        op, size = hdr[:1], struct.unpack("!Q", hdr[1:])[0]
+        if op == b"D":
+            block = memoryview(bytes(CHUNK))
+            left = size
+            while left:
+                n = min(left, CHUNK)
+                conn.sendall(block[:n])
+                left -= n
+            conn.shutdown(socket.SHUT_WR)
+            conn.recv(1)
+        elif op == b"U":
+            buf = bytearray(CHUNK)
+            left = size
+            while left:
+                n = conn.recv_into(buf, min(left, CHUNK))
+                if not n:
+                    return
+                left -= n
+            conn.sendall(b"K")
+        elif op == b"E":
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+
+def _bulk_server(sock: socket.socket) -> None:
+    while True:
+        conn, _ = sock.accept()
+        threading.Thread(target=_bulk_conn, args=(conn,), daemon=True).start()
+
+
+class _Responder(asyncio.Protocol):
+    """Reads the 64-byte request, answers and closes first (dante runs out of local
+    ports when the client closes first, ../shared/peers/README.md)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.got = 0
+
+    def data_received(self, data: bytes) -> None:
+        self.got += len(data)
+        if self.got >= len(REQUEST):
+            self.transport.write(RESPONSE)  # type: ignore[attr-defined]
+            self.transport.close()
+
+
+def serve_targets(bulk_port: int, rr_port: int) -> None:
+    """Run the bulk/echo target (threads) and the request/response target (uvloop) forever."""
+    import uvloop
+
+    bulk = socket.create_server(("127.0.0.1", bulk_port), backlog=128)
+    threading.Thread(target=_bulk_server, args=(bulk,), daemon=True).start()
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    loop.run_until_complete(loop.create_server(_Responder, "127.0.0.1", rr_port, backlog=4096))
+    loop.run_forever()
+
+
+class Targets:
+    """The target servers as a child process: `bulk` (download/upload/echo) and `rr` ports."""
+
+    def __init__(self) -> None:
+        self.bulk_port, self.rr_port = free_port(), free_port()
+        code = f"from bench.common import serve_targets; serve_targets({self.bulk_port}, {self.rr_port})"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=str(Path(__file__).resolve().parent.parent),
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            wait_port("127.0.0.1", self.bulk_port, 10, self.proc)
+            wait_port("127.0.0.1", self.rr_port, 10, self.proc)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(5)
+
+
+def connect_request(host: str, port: int) -> bytes:
+    """SOCKS5 CONNECT request for an IPv4 address or a name (ATYP 1 or 3)."""
+    try:
+        addr = b"\x01" + socket.inet_aton(host)
+    except OSError:
+        addr = b"\x03" + bytes([len(host)]) + host.encode()
+    return b"\x05\x01\x00" + addr + struct.pack("!H", port)
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        part = s.recv(n - len(out))
+        if not part:
+            raise RuntimeError("connection closed early")
+        out += part
+    return out
+
+
+def _reply_rest(head: bytes) -> int:
+    """Bytes of a SOCKS5 reply after its first 5 (VER REP RSV ATYP + 1), by ATYP."""
+    atyp = head[3]
+    if atyp == 1:
+        return 4 + 2 - 1
+    if atyp == 4:
+        return 16 + 2 - 1
+    if atyp == 3:
+        return head[4] + 2
+    raise RuntimeError(f"bad SOCKS5 reply ATYP {atyp}")
+
+
+def socks_connect_blocking(proxy: tuple[str, int] | None, target: tuple[str, int]) -> socket.socket:
+    # A bounded wait on every call: a stuck peer fails the round instead of hanging the run.
+    if proxy is None:
+        s = socket.create_connection(target, timeout=60)
+    else:
+        s = socket.create_connection(proxy, timeout=60)
+        s.sendall(b"\x05\x01\x00")
+        if recv_exact(s, 2) != b"\x05\x00":
+            raise RuntimeError("proxy refused the method")
+        s.sendall(connect_request(*target))
+        head = recv_exact(s, 5)
+        recv_exact(s, _reply_rest(head))
+        if head[1] != 0:
+            s.close()
+            raise RuntimeError(f"proxy replied {head[1]:#04x}")
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def bulk_down(proxy: tuple[str, int] | None, target: tuple[str, int], size: int) -> float:
+    """Seconds to download `size` bytes from the bulk target."""
+    s = socks_connect_blocking(proxy, target)
+    with s:
+        buf = bytearray(CHUNK)
+        t0 = time.perf_counter()
+        s.sendall(b"D" + struct.pack("!Q", size))
+        left = size
+        while left:
+            n = s.recv_into(buf, min(left, CHUNK))
+            if not n:
+                raise RuntimeError(f"download ended {left} bytes short")
+            left -= n
+        elapsed = time.perf_counter() - t0
+        s.sendall(b"x")
+    return elapsed
+
+
+def bulk_up(proxy: tuple[str, int] | None, target: tuple[str, int], size: int) -> float:
+    """Seconds to upload `size` bytes to the bulk target (until it acknowledges the last byte)."""
+    s = socks_connect_blocking(proxy, target)
+    with s:
+        block = memoryview(bytes(CHUNK))
+        t0 = time.perf_counter()
+        s.sendall(b"U" + struct.pack("!Q", size))
+        left = size
+        while left:
+            n = min(left, CHUNK)
+            s.sendall(block[:n])
+            left -= n
+        if recv_exact(s, 1) != b"K":
+            raise RuntimeError("upload not acknowledged")
+        elapsed = time.perf_counter() - t0
+    return elapsed
+
+
+def echo_rtt(proxy: tuple[str, int] | None, target: tuple[str, int], count: int, size: int = 64) -> Metrics:
+    """Ping-pong `count` messages of `size` bytes on one connection to the bulk target's echo."""
+    s = socks_connect_blocking(proxy, target)
+    with s:
+        s.sendall(b"E" + struct.pack("!Q", 0))
+        msg = b"p" * size
+        times = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            s.sendall(msg)
+            recv_exact(s, size)
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"rtt_us_p50": times[len(times) // 2] * 1e6, "rtt_us_p99": times[int(len(times) * 0.99)] * 1e6}
+
+
+async def _recv_exact_async(loop: asyncio.AbstractEventLoop, s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        part = await loop.sock_recv(s, n - len(out))
+        if not part:
+            raise ConnectionError("closed early")
+        out += part
+    return out
+
+
+async def _socks_handshake_async(
+    loop: asyncio.AbstractEventLoop, s: socket.socket, request: bytes
+) -> int:
+    """Greeting + CONNECT on a connected socket; the reply code."""
+    await loop.sock_sendall(s, b"\x05\x01\x00")
+    await _recv_exact_async(loop, s, 2)
+    await loop.sock_sendall(s, request)
+    head = await _recv_exact_async(loop, s, 5)
+    await _recv_exact_async(loop, s, _reply_rest(head))
+    return head[1]
+
+
+async def _rr_once(
+    loop: asyncio.AbstractEventLoop,
+    s: socket.socket,
+    proxy: tuple[str, int] | None,
+    target: tuple[str, int],
+    request: bytes,
+) -> None:
+    await loop.sock_connect(s, proxy or target)
+    if proxy is not None:
+        code = await _socks_handshake_async(loop, s, request)
+        if code != 0:
+            raise ConnectionError(f"reply {code}")
+    await loop.sock_sendall(s, REQUEST)
+    got = 0
+    while True:
+        part = await loop.sock_recv(s, 4096)
+        if not part:
+            break
+        got += len(part)
+    if got != len(RESPONSE):
+        raise ConnectionError("short response")
+
+
+async def _rr_worker(
+    proxy: tuple[str, int] | None, target: tuple[str, int], deadline: float, counts: list[int], limit: int
+) -> None:
+    loop = asyncio.get_running_loop()
+    request = connect_request(*target)
+    while loop.time() < deadline and counts[0] + counts[1] < limit:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            async with asyncio.timeout(5):  # a stuck connection counts as an error, not a hang
+                await _rr_once(loop, s, proxy, target, request)
+            counts[0] += 1
+        except (OSError, TimeoutError):
+            counts[1] += 1
+        finally:
+            s.close()
+
+
+def conn_rate(
+    proxy: tuple[str, int] | None,
+    target: tuple[str, int],
+    clients: int,
+    seconds: float,
+    limit: int = 1 << 62,
+    detail: bool = False,
+) -> Metrics:
+    """`clients` concurrent loops of CONNECT + one 64-byte request and response, for `seconds`
+    or until `limit` connections were tried; completed connections (and errors) per second,
+    with `detail` also the counts and the elapsed time."""
+    import uvloop
+
+    async def main() -> Metrics:
+        loop = asyncio.get_running_loop()
+        counts = [0, 0]
+        t0 = loop.time()
+        end = t0 + seconds
+        await asyncio.gather(*(_rr_worker(proxy, target, end, counts, limit) for _ in range(clients)))
+        elapsed = loop.time() - t0
+        out = {"conn/s": counts[0] / elapsed, "errors/s": counts[1] / elapsed}
+        if detail:
+            out |= {"conns": float(counts[0]), "errors": float(counts[1]), "seconds": elapsed}
+        return out
+
+    return uvloop.run(main())
+
+
+def connect_burst(proxy: tuple[str, int], target: tuple[str, int], n: int, timeout: float = 10.0) -> Metrics:
+    """`n` clients open and send CONNECT at once; every one waits up to `timeout` for its reply,
+    then does one request/response. Counts replies by code, hangs, failures and completions."""
+    import uvloop
+
+    async def one(loop: asyncio.AbstractEventLoop, start: asyncio.Event, out: dict[str, float]) -> None:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(False)
+        request = connect_request(*target)
+        try:
+            await start.wait()
+            t0 = loop.time()
+            try:
+                async with asyncio.timeout(timeout):
+                    await loop.sock_connect(s, proxy)
+                    code = await _socks_handshake_async(loop, s, request)
+            except TimeoutError:
+                out["hung"] += 1
+                return
+            except (OSError, ConnectionError, RuntimeError):
+                out["failed"] += 1
+                return
+            out["answered"] += 1
+            out[f"rep_{code:#04x}"] = out.get(f"rep_{code:#04x}", 0) + 1
+            out["last_answer_s"] = max(out["last_answer_s"], loop.time() - t0)
+            if code != 0:
+                return
+            try:
+                async with asyncio.timeout(timeout):
+                    await loop.sock_sendall(s, REQUEST)
+                    if await _recv_exact_async(loop, s, len(RESPONSE)) == RESPONSE:
+                        out["completed"] += 1
+            except (OSError, ConnectionError, TimeoutError):
+                pass
+        finally:
+            s.close()
+
+    async def main() -> Metrics:
+        loop = asyncio.get_running_loop()
+        start = asyncio.Event()
+        out: dict[str, float] = {"answered": 0, "hung": 0, "failed": 0, "completed": 0, "last_answer_s": 0.0}
+        tasks = [asyncio.ensure_future(one(loop, start, out)) for _ in range(n)]
+        await asyncio.sleep(0)  # every task is parked on the event: they go together
+        start.set()
+        await asyncio.gather(*tasks)
+        return out
+
+    return uvloop.run(main())
+
+
+def loopback_only() -> bool:
+    """True inside a network namespace that has only `lo` (../shared/peers/isolated)."""
+    with open("/proc/self/net/dev") as f:
+        return [line.split(":")[0].strip() for line in f.readlines()[2:]] == ["lo"]
 
 
 # --------------------------------------------------------------------------- the runner
@@ -354,6 +748,34 @@ class Runner:
             lines.append(f"  {name}: {err}")
         return "\n".join(lines)
 
+    def table_by_metric(self) -> str:
+        """The same medians transposed, one metric per line and one variant per column, with the
+        paired ratio of every other variant to the baseline: for many metrics and few variants."""
+        med = self.medians()
+        names = [n for n in self._variants if n in med]
+        metrics = list(dict.fromkeys(k for n in names for k in med[n]))
+        others = [n for n in names if n != self.baseline] if self.baseline in med else []
+        header = ["metric", *names, *(f"{n}/{self.baseline}" for n in others)]
+        rows = []
+        for m in metrics:
+            cells = [m, *(_fmt(med[n][m]) if m in med[n] else "-" for n in names)]
+            ratios = self.paired_ratios(m)
+            cells += [_fmt(ratios[n]) if n in ratios else "-" for n in others]
+            rows.append(cells)
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+        counts = ", ".join(f"{n}: {len(self.results[n])}" for n in self._variants)
+        lines = [f"{self.title}: medians of {self.rounds} alternating rounds (rounds run: {counts})"]
+        for cells in [header, *rows]:
+            lines.append(
+                "  ".join(
+                    c.rjust(w) if i else c.ljust(w)
+                    for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+                )
+            )
+        for name, err in self.errors.items():
+            lines.append(f"  {name}: {err}")
+        return "\n".join(lines)
+
     def to_json(self, ratio_metrics: Sequence[str] = ()) -> dict[str, Any]:
         return {
             "title": self.title,
@@ -367,10 +789,15 @@ class Runner:
 
 
 def report(
-    runners: Sequence[Runner], json_path: str | None = None, ratio_metrics: Sequence[str] = ()
+    runners: Sequence[Runner],
+    json_path: str | None = None,
+    ratio_metrics: Sequence[str] = (),
+    by_metric: bool = False,
 ) -> None:
-    """Print every runner's table as one block and optionally write them all to JSON."""
-    print("\n\n".join(r.table(ratio_metrics) for r in runners), flush=True)
+    """Print every runner's table as one block and optionally write them all to JSON.
+    `by_metric` prints them transposed (Runner.table_by_metric)."""
+    tables = [r.table_by_metric() if by_metric else r.table(ratio_metrics) for r in runners]
+    print("\n\n".join(tables), flush=True)
     if json_path:
         data = {r.title: r.to_json(ratio_metrics) for r in runners}
         Path(json_path).write_text(json.dumps(data, indent=2, sort_keys=True))

@@ -20,226 +20,35 @@ proxy and the targets are separate processes, as they would be for real.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import signal
-import socket
-import struct
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Metrics, Peer, Runner, add_args, free_port, report, selected, wait_port
+from bench.common import (
+    Metrics,
+    Peer,
+    Runner,
+    Targets,
+    add_args,
+    bulk_down,
+    bulk_up,
+    conn_rate,
+    free_port,
+    git_tree,
+    report,
+    selected,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(os.environ.get("MESHGATE_PEERS", "/work/shared/peers"))
-CHUNK = 1 << 20
-REQUEST = b"q" * 64
-RESPONSE = b"r" * 64
 MIB = 1 << 20
 GIB = 1 << 30
-
-
-# --------------------------------------------------------------------------- targets (child process)
-
-
-def _bulk_conn(conn: socket.socket) -> None:
-    with conn:
-        hdr = b""
-        while len(hdr) < 9:
-            part = conn.recv(9 - len(hdr))
-            if not part:
-                return
-            hdr += part
-        op, size = hdr[:1], struct.unpack("!Q", hdr[1:])[0]
-        if op == b"D":
-            block = memoryview(bytes(CHUNK))
-            left = size
-            while left:
-                n = min(left, CHUNK)
-                conn.sendall(block[:n])
-                left -= n
-            conn.shutdown(socket.SHUT_WR)
-            conn.recv(1)
-        elif op == b"U":
-            buf = bytearray(CHUNK)
-            left = size
-            while left:
-                n = conn.recv_into(buf, min(left, CHUNK))
-                if not n:
-                    return
-                left -= n
-            conn.sendall(b"K")
-
-
-def _bulk_server(sock: socket.socket) -> None:
-    while True:
-        conn, _ = sock.accept()
-        threading.Thread(target=_bulk_conn, args=(conn,), daemon=True).start()
-
-
-class _Responder(asyncio.Protocol):
-    """Reads the 64-byte request, answers and closes first."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        self.got = 0
-
-    def data_received(self, data: bytes) -> None:
-        self.got += len(data)
-        if self.got >= len(REQUEST):
-            self.transport.write(RESPONSE)  # type: ignore[attr-defined]
-            self.transport.close()
-
-
-def serve(bulk_port: int, rr_port: int) -> None:
-    import uvloop
-
-    bulk = socket.create_server(("127.0.0.1", bulk_port), backlog=128)
-    threading.Thread(target=_bulk_server, args=(bulk,), daemon=True).start()
-    loop = uvloop.new_event_loop()
-    asyncio.set_event_loop(loop)
-    loop.run_until_complete(loop.create_server(_Responder, "127.0.0.1", rr_port, backlog=4096))
-    loop.run_forever()
-
-
-# --------------------------------------------------------------------------- the client
-
-
-def socks_connect_blocking(proxy: tuple[str, int] | None, target: tuple[str, int]) -> socket.socket:
-    # A bounded wait on every call: a stuck peer fails the round instead of hanging the run.
-    if proxy is None:
-        return socket.create_connection(target, timeout=60)
-    s = socket.create_connection(proxy, timeout=60)
-    s.sendall(b"\x05\x01\x00")
-    if _recv_exact(s, 2) != b"\x05\x00":
-        raise RuntimeError("proxy refused the method")
-    s.sendall(b"\x05\x01\x00\x01" + socket.inet_aton(target[0]) + struct.pack("!H", target[1]))
-    rep = _recv_exact(s, 10)
-    if rep[1] != 0:
-        raise RuntimeError(f"proxy replied {rep[1]:#04x}")
-    return s
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        part = s.recv(n - len(out))
-        if not part:
-            raise RuntimeError("connection closed during the SOCKS handshake")
-        out += part
-    return out
-
-
-def bulk_down(proxy: tuple[str, int] | None, target: tuple[str, int], size: int) -> float:
-    s = socks_connect_blocking(proxy, target)
-    with s:
-        buf = bytearray(CHUNK)
-        t0 = time.perf_counter()
-        s.sendall(b"D" + struct.pack("!Q", size))
-        left = size
-        while left:
-            n = s.recv_into(buf, min(left, CHUNK))
-            if not n:
-                raise RuntimeError(f"download ended {left} bytes short")
-            left -= n
-        elapsed = time.perf_counter() - t0
-        s.sendall(b"x")
-    return elapsed
-
-
-def bulk_up(proxy: tuple[str, int] | None, target: tuple[str, int], size: int) -> float:
-    s = socks_connect_blocking(proxy, target)
-    with s:
-        block = memoryview(bytes(CHUNK))
-        t0 = time.perf_counter()
-        s.sendall(b"U" + struct.pack("!Q", size))
-        left = size
-        while left:
-            n = min(left, CHUNK)
-            s.sendall(block[:n])
-            left -= n
-        if _recv_exact(s, 1) != b"K":
-            raise RuntimeError("upload not acknowledged")
-        elapsed = time.perf_counter() - t0
-    return elapsed
-
-
-async def _recv_exact_async(loop: asyncio.AbstractEventLoop, s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        part = await loop.sock_recv(s, n - len(out))
-        if not part:
-            raise ConnectionError("closed early")
-        out += part
-    return out
-
-
-async def _rr_worker(
-    proxy: tuple[str, int] | None, target: tuple[str, int], deadline: float, counts: list[int]
-) -> None:
-    loop = asyncio.get_running_loop()
-    request = b"\x05\x01\x00\x01" + socket.inet_aton(target[0]) + struct.pack("!H", target[1])
-    while loop.time() < deadline:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setblocking(False)
-        try:
-            async with asyncio.timeout(5):  # a stuck connection counts as an error, not a hang
-                await _rr_once(loop, s, proxy, target, request)
-            counts[0] += 1
-        except (OSError, TimeoutError):
-            counts[1] += 1
-        finally:
-            s.close()
-
-
-async def _rr_once(
-    loop: asyncio.AbstractEventLoop,
-    s: socket.socket,
-    proxy: tuple[str, int] | None,
-    target: tuple[str, int],
-    request: bytes,
-) -> None:
-    await loop.sock_connect(s, proxy or target)
-    if proxy is not None:
-        await loop.sock_sendall(s, b"\x05\x01\x00")
-        await _recv_exact_async(loop, s, 2)
-        await loop.sock_sendall(s, request)
-        rep = await _recv_exact_async(loop, s, 10)
-        if rep[1] != 0:
-            raise ConnectionError(f"reply {rep[1]}")
-    await loop.sock_sendall(s, REQUEST)
-    got = 0
-    while True:
-        part = await loop.sock_recv(s, 4096)
-        if not part:
-            break
-        got += len(part)
-    if got != len(RESPONSE):
-        raise ConnectionError("short response")
-
-
-def conn_rate(
-    proxy: tuple[str, int] | None, target: tuple[str, int], clients: int, seconds: float
-) -> Metrics:
-    import uvloop
-
-    async def main() -> Metrics:
-        loop = asyncio.get_running_loop()
-        counts = [0, 0]
-        t0 = loop.time()
-        await asyncio.gather(*(_rr_worker(proxy, target, t0 + seconds, counts) for _ in range(clients)))
-        elapsed = loop.time() - t0
-        return {"conn/s": counts[0] / elapsed, "errors/s": counts[1] / elapsed}
-
-    return uvloop.run(main())
 
 
 # --------------------------------------------------------------------------- proxies
@@ -259,13 +68,7 @@ def start_meshgate_ref(ref: str) -> Callable[[int, str], Peer]:
     """meshgate as of git REF (extracted with `git archive`), for A/B runs of a change."""
 
     def start(port: int, workdir: str) -> Peer:
-        tree = Path(workdir, f"meshgate-{ref.replace('/', '_')}")
-        if not tree.exists():
-            tree.mkdir()
-            archive = subprocess.run(
-                ["git", "-C", str(ROOT), "archive", ref, "meshgate"], check=True, capture_output=True
-            ).stdout
-            subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        tree = git_tree(ref, workdir)
         conf = Path(workdir, f"meshgate-{port}.toml")
         conf.write_text(
             f'log_level = "warning"\n[socks5]\nlisten = "127.0.0.1:{port}"\nmax_clients = 4096\n'
@@ -330,27 +133,16 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=5.0, help="duration of each connection-rate run")
     p.add_argument("--clients", type=int, default=50, help="concurrent clients in the rate test")
     p.add_argument("--ab", metavar="REF", help="also run meshgate as of git REF (A/B of a change)")
-    p.add_argument("--serve", nargs=2, type=int, metavar=("BULK", "RR"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.serve:
-        serve(*args.serve)
-        return 0
 
     size = args.size * MIB
-    bulk_port, rr_port = free_port(), free_port()
-    target_proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(bulk_port), str(rr_port)],
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-    )
+    targets = Targets()
     # SIGTERM (timeout, CI) unwinds through `finally` so peers and targets stop too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = tempfile.mkdtemp(prefix="meshgate-bench-")
     peers: dict[str, Peer] = {}
     try:
-        wait_port("127.0.0.1", bulk_port, 10, target_proc)
-        wait_port("127.0.0.1", rr_port, 10, target_proc)
-        bulk_target, rr_target = ("127.0.0.1", bulk_port), ("127.0.0.1", rr_port)
+        bulk_target, rr_target = ("127.0.0.1", targets.bulk_port), ("127.0.0.1", targets.rr_port)
         starters = dict(STARTERS)
         if args.ab:
             starters = {"meshgate": start_meshgate, f"meshgate@{args.ab}": start_meshgate_ref(args.ab)} | {
@@ -396,8 +188,7 @@ def main() -> int:
     finally:
         for peer in peers.values():
             peer.stop()
-        os.killpg(target_proc.pid, signal.SIGTERM)
-        target_proc.wait(5)
+        targets.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
