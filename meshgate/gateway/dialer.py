@@ -47,6 +47,9 @@ _ERRNO_REPLY = {
     errno.EPERM: socks5.REP_NOT_ALLOWED,
 }
 
+# RFC 8305's recommended "Connection Attempt Delay".
+HAPPY_EYEBALLS_DELAY = 0.25
+
 _udp_send_dropped = REGISTRY.counter(
     "meshgate_socks5_udp_egress_dropped_total",
     "UDP datagrams to targets not sent (socket buffer full or send error)",
@@ -165,26 +168,78 @@ class Dialer:
             if not allowed:
                 raise DialError(socks5.REP_NOT_ALLOWED, f"{host}:{port} is not allowed by the egress rules")
         loop = asyncio.get_running_loop()
-        first_error: BaseException | None = None
-        for ip in allowed:
+        try:
+            if len(allowed) == 1:
+                transport, protocol = await loop.create_connection(protocol_factory, str(allowed[0]), port)
+            else:
+                sock = await self._first_connected([str(a) for a in allowed], port)
+                transport, protocol = await loop.create_connection(protocol_factory, sock=sock)
+        except OSError as e:
+            reason = e.strerror or str(e)
+            raise DialError(reply_for(e), f"connect to {host}:{port} failed: {reason}") from None
+        sock_name = transport.get_extra_info("sockname")
+        bound = (str(sock_name[0]), int(sock_name[1])) if sock_name else ("0.0.0.0", 0)
+        return transport, protocol, bound  # type: ignore[return-value]
+
+    async def _first_connected(self, addrs: list[str], port: int) -> socket.socket:
+        """Happy-eyeballs-style (RFC 8305, simplified): start on the first address,
+        start the next one when an attempt fails or HAPPY_EYEBALLS_DELAY passes
+        without an answer, and keep the first socket that connects. Raw sockets
+        until then, so only the winner ever gets a protocol."""
+        loop = asyncio.get_running_loop()
+
+        async def attempt(ip: str) -> socket.socket:
+            s = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
             try:
-                transport, protocol = await loop.create_connection(protocol_factory, str(ip), port)
-            except OSError as e:
-                # Keep the first failure: with an IPv6 address listed first on a
-                # host without IPv6 routes, "refused" on IPv4 is the real story,
-                # so prefer any error that is not "unreachable".
-                if first_error is None or reply_for(first_error) in (
-                    socks5.REP_NETWORK_UNREACHABLE,
-                    socks5.REP_HOST_UNREACHABLE,
-                ):
-                    first_error = e
-                continue
-            sock = transport.get_extra_info("sockname")
-            bound = (str(sock[0]), int(sock[1])) if sock else ("0.0.0.0", 0)
-            return transport, protocol, bound  # type: ignore[return-value]
-        assert first_error is not None
-        reason = getattr(first_error, "strerror", None) or str(first_error)
-        raise DialError(reply_for(first_error), f"connect to {host}:{port} failed: {reason}")
+                s.setblocking(False)
+                await loop.sock_connect(s, (ip, port))
+            except BaseException:
+                s.close()
+                raise
+            return s
+
+        errors: list[OSError] = []
+        pending: set[asyncio.Task[socket.socket]] = set()
+        winner: socket.socket | None = None
+        todo = iter(addrs)
+        try:
+            while winner is None:
+                nxt = next(todo, None)
+                if nxt is not None:
+                    pending.add(loop.create_task(attempt(nxt)))
+                if not pending:
+                    break
+                done, pending = await asyncio.wait(
+                    pending,
+                    timeout=HAPPY_EYEBALLS_DELAY if nxt is not None else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                for t in done:
+                    exc = t.exception()
+                    if exc is None:
+                        if winner is None:
+                            winner = t.result()
+                        else:
+                            t.result().close()
+                    elif isinstance(exc, OSError):
+                        errors.append(exc)
+                    else:
+                        raise exc
+        finally:
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending)
+                for t in pending:  # one may have connected just before its cancel
+                    if not t.cancelled() and t.exception() is None:
+                        t.result().close()
+        if winner is not None:
+            return winner
+        # Report the most telling failure: anything beats "unreachable", which an
+        # address family without routes produces for every name.
+        unreachable = (socks5.REP_NETWORK_UNREACHABLE, socks5.REP_HOST_UNREACHABLE)
+        best = next((e for e in errors if reply_for(e) not in unreachable), errors[0] if errors else None)
+        raise best if best is not None else OSError(errno.EHOSTUNREACH, "no address to try")
 
     async def open_udp(self, on_datagram: OnDatagram, pool: BufferPool) -> LocalUdpEgress:
         """An egress for one UDP association: replies land in pooled buffers

@@ -282,6 +282,40 @@ async def test_unresolvable_name_04_and_slow_resolver_times_out_06() -> None:
         w.close()
 
 
+async def test_name_with_a_silent_first_address_still_connects_happy_eyeballs() -> None:
+    """The first address drops SYNs (a full accept queue on 127.0.0.2); the
+    second answers. Tried one after the other, the first attempt would use up
+    the whole connect timeout; staggered attempts connect through the second."""
+    async with echo_server() as (eport, peers):
+        silent = socket.socket()
+        held: list[socket.socket] = []
+        try:
+            try:
+                silent.bind(("127.0.0.2", eport))
+            except OSError:
+                pytest.skip("127.0.0.2 is not usable here")
+            silent.listen(0)
+            filler = socket.socket()  # fills the one-slot accept queue; later SYNs are dropped
+            filler.connect(("127.0.0.2", eport))
+            held.append(filler)
+
+            class Resolver:
+                async def resolve_host(self, name: str) -> list[str]:
+                    return ["127.0.0.2", "127.0.0.1"]
+
+            async with portal(resolver=Resolver(), socks5_connect_timeout=5.0) as p:
+                r, w, (rep, _, _, _) = await raw_socks(p.port, request(1, 3, b"two.test", eport))
+                assert rep == 0
+                w.write(b"he")
+                assert await r.readexactly(2) == b"he"
+                assert len(peers) == 1
+                w.close()
+        finally:
+            for h in held:
+                h.close()
+            silent.close()
+
+
 async def test_junk_gets_a_reply_code_or_a_close_and_the_portal_keeps_serving() -> None:
     rng = random.Random(1928)
     async with portal(socks5_handshake_timeout=2.0) as p, echo_server() as (eport, _):
