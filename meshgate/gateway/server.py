@@ -52,6 +52,10 @@ BAD_REQUESTS = REGISTRY.counter(
 )
 TIMEOUTS = REGISTRY.counter("meshgate_socks5_timeouts_total", "SOCKS5 connections timed out", ("phase",))
 
+_READ_BUFFER_RENEWED = REGISTRY.counter(
+    "meshgate_socks5_read_buffer_renewed_total",
+    "Relay reads whose write did not drain at once, so the read buffer was handed over and replaced",
+)
 _BYTES_IN = BYTES.labels("in")
 _BYTES_OUT = BYTES.labels("out")
 _HANDSHAKE_TIMEOUTS = TIMEOUTS.labels("handshake")
@@ -87,6 +91,7 @@ class ReadBuffer:
     def renew(self) -> None:
         self.view = memoryview(bytearray(self.size))
         self.renewed += 1
+        _READ_BUFFER_RENEWED.inc()
 
 
 def _peer_text(peer: Any) -> str:
