@@ -18,6 +18,11 @@ cross the mesh whole (channel `L3_VNET_CHANNEL`; a mesh frame holds 64 KB) and
 are segmented by the receiving kernel: per-packet Python work is paid once per
 super-packet instead of once per 1.4 KB segment.
 
+Bundles: packets one wake-up read for the same node leave as one datagram on
+`L3_BUNDLE_CHANNEL` (u16 length + packet each, up to 32 KB, order kept), so the
+mesh frames, relays and delivers many small packets (UDP, ACKs) at the cost of one.
+No added latency: only packets already read together are bundled.
+
 `TunPath` is the data path over any packet file descriptor (a TUN device, or a
 datagram socketpair in tests); `TunService` opens the device, configures
 addresses and routes, and keeps proxy-CIDR routes in step with the mesh.
@@ -45,6 +50,9 @@ _rlog = RateLimitedLog(log)
 
 L3_CHANNEL = 1  # mesh datagram channel carrying raw IP packets (UDP ASSOCIATE uses another)
 L3_VNET_CHANNEL = 3  # IP packets behind a virtio-net header (TUN offloads: GSO super-packets)
+L3_BUNDLE_CHANNEL = 4  # several packets for one node from one read batch, in one datagram
+BUNDLE_MAX = 32768  # bytes per bundle; bigger packets (super-packets) travel alone
+_BUNDLE_PLAIN, _BUNDLE_VNET = 0, 1  # bundle format byte: what each item is
 ROUTE_SYNC_INTERVAL = 1.0  # seconds between checks of the mesh route table for proxy-CIDR changes
 READ_SIZE = 65536
 # destinations remembered per route build; exit traffic has many, so the cache is cleared
@@ -104,6 +112,7 @@ class TunPath:
         # each entry: (packet, True if it lacks the device's virtio-net header)
         self._out: list[tuple[bytes | bytearray | memoryview, bool]] = []
         self._flush_scheduled = False
+        self._batch: dict[int, list[bytearray]] = {}  # node -> packets read this wake-up, in order
         self._routes: dict[bytes, int] = {}  # dst -> node id (0: no route); cleared on route changes
         self._routes_version: object = None
         self._running = False
@@ -117,6 +126,7 @@ class TunPath:
         self._running = True
         self.mesh.on_datagram(L3_CHANNEL, self.on_datagram)
         self.mesh.on_datagram(L3_VNET_CHANNEL, self.on_vnet_datagram)
+        self.mesh.on_datagram(L3_BUNDLE_CHANNEL, self.on_bundle)
         self.loop.add_reader(self.fd, self.on_readable)
 
     def stop(self) -> None:
@@ -125,6 +135,7 @@ class TunPath:
             self.loop.remove_reader(self.fd)
         self.mesh.on_datagram(L3_CHANNEL, _ignore)
         self.mesh.on_datagram(L3_VNET_CHANNEL, _ignore)
+        self.mesh.on_datagram(L3_BUNDLE_CHANNEL, _ignore)
         self._out.clear()
         for c in (self._out_pkts, self._out_bytes, self._in_pkts, self._in_bytes):
             c.flush()
@@ -159,8 +170,45 @@ class TunPath:
             n += 1
             nbytes += len(pkt)
             self._from_device(pkt, routes)
+        if self._batch:
+            self._send_batch()
         self._out_pkts.add(n)
         self._out_bytes.add(nbytes)
+
+    def _send_batch(self) -> None:
+        """Send what one wake-up read, per destination node: a lone packet as it is, several
+        as bundles (one mesh frame, one relay decision and one delivery for many packets)."""
+        batch, self._batch = self._batch, {}
+        send = self.mesh.send_datagram
+        fmt = _BUNDLE_VNET if self.vnet else _BUNDLE_PLAIN
+        for node, pkts in batch.items():
+            if len(pkts) == 1:
+                if not send(node, self.channel, pkts[0]):
+                    _dropped.labels("mesh_refused").inc()  # no route or a congested link
+                continue
+            bundle = bytearray((fmt,))
+            count = 0
+            for pkt in pkts:
+                n = len(pkt)
+                if n + 2 > BUNDLE_MAX:  # a super-packet: alone, on its own channel, in order
+                    if count:
+                        self._send_bundle(node, bundle, count)
+                        bundle, count = bytearray((fmt,)), 0
+                    if not send(node, self.channel, pkt):
+                        _dropped.labels("mesh_refused").inc()
+                    continue
+                if len(bundle) + 2 + n > BUNDLE_MAX:
+                    self._send_bundle(node, bundle, count)
+                    bundle, count = bytearray((fmt,)), 0
+                bundle += n.to_bytes(2, "big")
+                bundle += pkt
+                count += 1
+            if count:
+                self._send_bundle(node, bundle, count)
+
+    def _send_bundle(self, node: int, bundle: bytearray, count: int) -> None:
+        if not self.mesh.send_datagram(node, L3_BUNDLE_CHANNEL, bundle):
+            _dropped.labels("mesh_refused").inc(count)
 
     def _from_device(self, pkt: bytes, routes: dict[bytes, int]) -> None:
         off = self.vnet
@@ -198,8 +246,11 @@ class TunPath:
         if p.length > self.mtu and not (off and pkt[1] != tp.VNET_GSO_NONE):
             self._too_big(self._ip(buf), p, node, to_mesh=True)
             return
-        if not self.mesh.send_datagram(node, self.channel, buf):
-            _dropped.labels("mesh_refused").inc()  # no route or a congested link: the mesh counts which
+        pkts = self._batch.get(node)
+        if pkts is None:
+            self._batch[node] = [buf]
+        else:
+            pkts.append(buf)
 
     def _ip(self, pkt: bytes | bytearray) -> bytes | bytearray | memoryview:
         """The IP packet without the virtio-net header (error paths only)."""
@@ -294,6 +345,27 @@ class TunPath:
                         src_node)
         else:
             self._queue_write(memoryview(payload)[tp.VNET_HDR_LEN :], True)
+
+    def on_bundle(self, src_node: int, payload: bytes) -> None:
+        """Several packets in one datagram (L3_BUNDLE_CHANNEL): format byte, then u16 length + packet."""
+        if not payload or payload[0] not in (_BUNDLE_PLAIN, _BUNDLE_VNET):
+            _dropped.labels("malformed_bundle").inc()
+            return
+        one = self.on_vnet_datagram if payload[0] == _BUNDLE_VNET else self.on_datagram
+        view = memoryview(payload)
+        pos, end = 1, len(payload)
+        while pos < end:
+            if pos + 2 > end:
+                _dropped.labels("malformed_bundle").inc()
+                return
+            n = (payload[pos] << 8) | payload[pos + 1]
+            pos += 2
+            if pos + n > end:
+                _dropped.labels("malformed_bundle").inc()
+                _rlog.debug(f"bundle:{src_node}", "tun: truncated bundle from node %08x", src_node)
+                return
+            one(src_node, view[pos : pos + n])  # type: ignore[arg-type]  # bytes-like is enough
+            pos += n
 
     def _accept(self, src_node: int, payload: bytes, off: int) -> tp.Packet | None:
         try:

@@ -18,7 +18,15 @@ import pytest
 
 from meshgate.mesh import tun_packets as tp
 from meshgate.mesh.routing import Route
-from meshgate.mesh.tun import L3_CHANNEL, L3_VNET_CHANNEL, ROUTE_CACHE, TunPath, remote_cidrs
+from meshgate.mesh.tun import (
+    BUNDLE_MAX,
+    L3_BUNDLE_CHANNEL,
+    L3_CHANNEL,
+    L3_VNET_CHANNEL,
+    ROUTE_CACHE,
+    TunPath,
+    remote_cidrs,
+)
 from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
 from tests.unit.test_tun_packets import A4, A6, B4, B6, icmp_echo, ipv4, ipv6, ref_sum
@@ -66,6 +74,22 @@ def dropped(reason: str) -> float:
     return REGISTRY.value("meshgate_tun_dropped_total", reason)
 
 
+def packets(mesh: FakeMesh) -> list[tuple[int, int, bytes]]:
+    """What the path sent, bundles opened: (node, channel the packet would travel on, packet)."""
+    out = []
+    for node, ch, payload in mesh.sent:
+        if ch != L3_BUNDLE_CHANNEL:
+            out.append((node, ch, payload))
+            continue
+        inner = L3_VNET_CHANNEL if payload[0] == 1 else L3_CHANNEL
+        pos = 1
+        while pos < len(payload):
+            n = int.from_bytes(payload[pos : pos + 2], "big")
+            out.append((node, inner, payload[pos + 2 : pos + 2 + n]))
+            pos += 2 + n
+    return out
+
+
 @pytest.fixture
 def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -96,8 +120,8 @@ async def test_device_to_mesh_routes_by_destination_and_decrements_ttl(pair: Any
     host.send(pkt)
     pkt6 = ipv6(B6, A6, tp.PROTO_UDP, b"\x00" * 12, hop=9)
     host.send(pkt6)
-    await async_wait_until(lambda: len(mesh.sent) == 2, what="two datagrams")
-    (n1, ch1, out1), (n2, ch2, out2) = mesh.sent
+    await async_wait_until(lambda: len(packets(mesh)) == 2, what="two packets")
+    (n1, ch1, out1), (n2, ch2, out2) = packets(mesh)
     assert (n1, ch1, n2, ch2) == (PEER, L3_CHANNEL, PEER, L3_CHANNEL)
     assert out1[8] == 63 and ref_sum(out1[:20]) == 0xFFFF and out1[20:] == pkt[20:]
     assert out2[7] == 8 and out2[8:] == pkt6[8:]
@@ -120,13 +144,13 @@ async def test_route_cache_follows_table_version(pair: Any) -> None:
     path = make_path(dev, mesh)
     for _ in range(3):
         host.send(ipv4(B4, C4, tp.PROTO_UDP, b"\x00" * 8))
-    await async_wait_until(lambda: len(mesh.sent) == 3)
+    await async_wait_until(lambda: len(packets(mesh)) == 3)
     assert mesh.lookups == 1  # one lookup per destination per route build
     mesh.routes_by_ip[C4] = 0x0D
     mesh.table.version += 1
     host.send(ipv4(B4, C4, tp.PROTO_UDP, b"\x00" * 8))
-    await async_wait_until(lambda: len(mesh.sent) == 4)
-    assert mesh.sent[-1][0] == 0x0D
+    await async_wait_until(lambda: len(packets(mesh)) == 4)
+    assert packets(mesh)[-1][0] == 0x0D
     path.stop()
 
 
@@ -191,11 +215,12 @@ async def test_read_batch_bounds_one_wakeup(pair: Any) -> None:
     for i in range(10):
         host.send(ipv4(B4, C4, tp.PROTO_UDP, bytes([i]) * 8))
     path.on_readable()
-    assert len(mesh.sent) == 4
+    assert len(packets(mesh)) == 4
+    assert [ch for _, ch, _ in mesh.sent] == [L3_BUNDLE_CHANNEL]  # one wake-up, one node: one bundle
     path.on_readable()
     path.on_readable()
-    assert len(mesh.sent) == 10
-    assert [s[2][-1] for s in mesh.sent] == list(range(10))  # order kept
+    assert len(packets(mesh)) == 10
+    assert [s[2][-1] for s in packets(mesh)] == list(range(10))  # order kept
 
 
 async def test_mesh_to_device_batches_one_tick(pair: Any) -> None:
@@ -302,8 +327,8 @@ async def test_offload_super_packet_travels_whole(pair: Any) -> None:
     hdr = vnet_hdr(GSO_TCPV4, tp.VNET_F_NEEDS_CSUM, 1340)
     big = ipv4(B4, C4, tp.PROTO_TCP, b"s" * 20000)  # far above the MTU: the kernel segments it later
     host.send(hdr + big)
-    await async_wait_until(lambda: len(mesh.sent) == 1)
-    node, ch, out = mesh.sent[0]
+    await async_wait_until(lambda: len(packets(mesh)) == 1)
+    node, ch, out = packets(mesh)[0]
     assert (node, ch) == (PEER, L3_VNET_CHANNEL)
     assert out[:10] == hdr and out[10 + 8] == 63 and out[10 + 20:] == big[20:]
     assert ref_sum(out[10:30]) == 0xFFFF
@@ -339,4 +364,52 @@ async def test_plain_device_strips_or_refuses_offloaded_packets(pair: Any) -> No
     assert dropped("offload_unsupported") == before + 1
     mesh.handlers[L3_VNET_CHANNEL](PEER, b"\x00" * 5)
     assert dropped("malformed_short_vnet") >= 1
+    path.stop()
+
+
+# --------------------------------------------------------------------------- bundles
+
+
+async def test_bundles_split_by_node_and_size_and_round_trip(pair: Any) -> None:
+    dev, host = pair
+    mesh = FakeMesh(routes_by_ip={C4: PEER, A4: 0x0D})
+    path = make_path(dev, mesh, vnet=tp.VNET_HDR_LEN)
+    path.stop()
+    sent = []
+    for i in range(40):  # 40 x ~1.2 KB to PEER, interleaved with 3 to node 0x0D
+        pkt = vnet_hdr() + ipv4(B4, C4, tp.PROTO_UDP, bytes([i]) * 1200)
+        sent.append(pkt)
+        host.send(pkt)
+        if i % 15 == 0:
+            host.send(vnet_hdr() + ipv4(B4, A4, tp.PROTO_UDP, b"other"))
+    super_pkt = vnet_hdr(GSO_TCPV4, 1, 1340) + ipv4(B4, C4, tp.PROTO_TCP, b"s" * 40000)
+    host.send(super_pkt)
+    path.on_readable()
+    to_peer = [(ch, len(p)) for n, ch, p in mesh.sent if n == PEER]
+    assert all(size <= BUNDLE_MAX for ch, size in to_peer if ch == L3_BUNDLE_CHANNEL)
+    assert [ch for ch, _ in to_peer] == [L3_BUNDLE_CHANNEL, L3_BUNDLE_CHANNEL, L3_VNET_CHANNEL]
+    got = [p for n, _, p in packets(mesh) if n == PEER]
+    assert [p[10 + 20:] for p in got[:40]] == [p[10 + 20:] for p in sent]  # all there, in order
+    assert got[40][10 + 20:] == super_pkt[10 + 20:]  # the super-packet travelled alone
+    assert len([1 for n, _, _ in packets(mesh) if n == 0x0D]) == 3
+    # the receiving side writes every packet of a bundle, in order
+    rx = make_path(dev, FakeMesh(), egress=True, vnet=tp.VNET_HDR_LEN)
+    for n, ch, payload in mesh.sent:
+        if n == PEER and ch == L3_BUNDLE_CHANNEL:
+            rx.on_bundle(PEER, payload)
+    written = [await recv(host) for _ in range(40)]
+    assert [w[30:] for w in written] == [p[30:] for p in sent]
+    rx.stop()
+
+
+async def test_malformed_bundles_are_counted(pair: Any) -> None:
+    dev, _host = pair
+    before = dropped("malformed_bundle")
+    path = make_path(dev, FakeMesh(), egress=True)
+    path.on_bundle(PEER, b"")
+    path.on_bundle(PEER, b"\x07\x00\x01x")  # unknown format
+    path.on_bundle(PEER, b"\x00\x05\x00abc")  # item longer than the bundle
+    path.on_bundle(PEER, b"\x00\x00")  # half a length
+    assert dropped("malformed_bundle") == before + 4
+    assert path._out == []
     path.stop()
