@@ -104,16 +104,7 @@ class MeshDialer(Dialer):
 
         return PortalUdp(UdpHub.for_node(self.node), on_datagram, pool, direct=self.direct_fallback)
 
-    async def connect(
-        self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
-    ) -> tuple[asyncio.Transport, asyncio.Protocol, tuple[str, int]]:
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                return await self._mesh_connect(host, port, protocol_factory)
-        except TimeoutError:
-            raise DialError(socks5.REP_TTL_EXPIRED, f"connect to {host}:{port} timed out") from None
-
-    async def _mesh_connect(
+    async def _connect(
         self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
     ) -> tuple[asyncio.Transport, asyncio.Protocol, tuple[str, int]]:
         try:
