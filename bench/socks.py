@@ -169,9 +169,14 @@ def main() -> int:
                     "down MB/s": size / down / 1e6,
                     "up MB/s": size / up / 1e6,
                 }
+                cpu1 = peer.cpu_seconds() if peer else 0.0
                 out.update(conn_rate(proxy, rr_target, args.clients, args.seconds))
                 if peer:
                     out["cpu s/GiB"] = cpu / (2 * size / GIB)
+                    # CPU per connection holds up when other work shares the
+                    # machine, where conn/s and MB/s move with the contention.
+                    conns = out["conn/s"] * args.seconds
+                    out["cpu ms/conn"] = (peer.cpu_seconds() - cpu1) / conns * 1e3 if conns else float("nan")
                     out["rss MiB"] = peer.peak_rss_kib() / 1024
                 return out
 
@@ -183,7 +188,8 @@ def main() -> int:
             if (name == "direct" and selected(args, name)) or name in peers:
                 runner.add(name, variant(name))
         runner.run()
-        report([runner], args.json, ratio_metrics=["down MB/s", "up MB/s", "conn/s", "cpu s/GiB"])
+        ratios = ["down MB/s", "up MB/s", "conn/s", "cpu s/GiB", "cpu ms/conn"]
+        report([runner], args.json, ratio_metrics=ratios)
         _targets(runner)
     finally:
         for peer in peers.values():
