@@ -16,7 +16,7 @@ Sections (each one table, medians of alternating rounds via bench/common.py):
   (sans-I/O RouteTable.build), and convergence time of N in-process
   services joined by ring links (50 and 200 nodes).
 
-    .venv/bin/python bench/mesh.py [--size MiB] [--rounds N] [--only stream,datagram,routing] [--json FILE]
+    .venv/bin/python bench/mesh.py [--size MiB] [--rounds N] [--only SECTIONS] [--json FILE]
 
 * **portal**: the same upload through a SOCKS5 portal on node A into a
   three-node line A-B-C, one and two hops: meshgate (`meshgate run`
@@ -559,12 +559,16 @@ def portal_section(rounds: int, size: int) -> list[Runner]:
     try:
         for line in lines.values():
             line.start()
-        r = Runner(f"SOCKS5 portal upload {size // MIB} MiB into an A-B-C line (processes)", rounds)
+        runners = []
         for hops in (1, 2):
+            base = "easytier" if "easytier" in lines else None
+            r = Runner(f"SOCKS5 portal upload {size // MIB} MiB, {hops} hop(s), A-B-C line (processes)",
+                       rounds, base)
             for k, line in lines.items():
-                r.add(f"{k}-{hops}hop", functools.partial(line.measure, hops, size))
-        r.run()
-        return [r]
+                r.add(k, functools.partial(line.measure, hops, size))
+            r.run()
+            runners.append(r)
+        return runners
     finally:
         for line in lines.values():
             line.stop()
@@ -585,7 +589,7 @@ def main() -> None:
     if args.sink:
         serve_sink(args.sink)
         return
-    sections = {s.strip() for s in (args.only or "stream,datagram,routing").split(",")}
+    sections = {s.strip() for s in (args.only or "stream,datagram,routing,portal").split(",")}
     size = args.size * MIB
     runners: list[Runner] = []
 

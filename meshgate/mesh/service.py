@@ -691,22 +691,13 @@ class MeshService:
         return out
 
     def routes(self) -> list[dict[str, Any]]:
+        """Every reachable node. `next_hop`/`hops`/`latency_ms` are the least-hop route,
+        the same with `_ll` the least-latency one (flat, so the CLI prints one table)."""
         out = []
         t = self.table
         for origin in t.reachable():
             rec = t.records[origin]
-            hop, lat = t.hop_paths[origin], t.lat_paths.get(origin)
-            active = lat if self.policy_flag and lat is not None else hop
-
-            def policy(p: Any) -> dict[str, Any] | None:
-                if p is None:
-                    return None
-                return {
-                    "next_hop": f"{p.next_hop:08x}",
-                    "hops": p.hops,
-                    "latency_ms": round(p.latency_us / 1000, 3),
-                }
-
+            hop, lat = t.hop_paths[origin], t.lat_paths[origin]
             out.append({
                 "id": f"{origin:08x}",
                 "name": rec.name,
@@ -714,11 +705,12 @@ class MeshService:
                 "ipv6": str(rec.ipv6.ip) if rec.ipv6 else None,
                 "proxy_cidrs": [str(n) for n, _ in rec.cidrs],
                 "exit": rec.exit,
-                "next_hop": f"{active.next_hop:08x}",
-                "hops": active.hops,
-                "latency_ms": round(active.latency_us / 1000, 3),
-                "least_hop": policy(hop),
-                "least_latency": policy(lat),
+                "next_hop": f"{hop.next_hop:08x}",
+                "hops": hop.hops,
+                "latency_ms": round(hop.latency_us / 1000, 3),
+                "next_hop_ll": f"{lat.next_hop:08x}",
+                "hops_ll": lat.hops,
+                "latency_ms_ll": round(lat.latency_us / 1000, 3),
             })
         return out
 

@@ -79,7 +79,7 @@ async def test_routes_converge_through_the_relay(line: list[MeshService]) -> Non
     assert a.name_table()["c"] == (ipaddress.IPv4Address("10.9.0.3"), None)
     routes = {x["name"]: x for x in a.routes()}
     assert routes["c"]["next_hop"] == f"{B:08x}" and routes["c"]["hops"] == 2
-    assert routes["c"]["least_latency"]["hops"] == 2
+    assert routes["c"]["hops_ll"] == 2 and routes["c"]["next_hop_ll"] == f"{B:08x}"
     json.dumps(a.routes())
     json.dumps(a.peers())
     assert a.peers()[0]["name"] == "b"

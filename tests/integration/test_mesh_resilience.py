@@ -230,3 +230,26 @@ async def test_max_peers_bounds_links() -> None:
         assert sum(map(len, hub.links.values())) == 2
     finally:
         await stop_all([hub, *spokes])
+
+
+async def test_two_links_to_one_neighbour_survive_losing_one() -> None:
+    r1, r2 = ring_name(), ring_name()
+    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r1}", f"ring://{r2}"]), 1)
+    # the second link is slower: the faster one carries the traffic
+    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r1}", f"ring://{r2}?delay=0.01"]), 2)
+    try:
+        await async_wait_until(lambda: len(b.links.get(1, ())) == 2, 10, "two links")
+        await async_wait_until(lambda: all(lk.latency_us for lk in b.links[1]), 10, "both measured")
+        assert len(b.peers()) == 2
+        fast = min(b.links[1], key=lambda lk: lk.latency_us)
+        assert b._best_link(1) is fast
+        got: list[bytes] = []
+        a.on_datagram(4, lambda src, p: got.append(p))
+        assert fast.transport is not None
+        fast.transport.close()
+        await async_wait_until(lambda: len(b.links.get(1, ())) == 1, 5, "one link left")
+        assert b.lookup(ip("10.9.0.1")) is not None  # the neighbour stayed reachable
+        assert b.send_datagram(1, 4, b"via the other link")
+        await async_wait_until(lambda: got == [b"via the other link"], 5, "datagram")
+    finally:
+        await stop_all([a, b])
