@@ -236,7 +236,9 @@ async def test_two_links_to_one_neighbour_survive_losing_one() -> None:
     r1, r2 = ring_name(), ring_name()
     a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r1}", f"ring://{r2}"]), 1)
     # the second link is slower: the faster one carries the traffic
-    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r1}", f"ring://{r2}?delay=0.01"]), 2)
+    b = await start_node(
+        node_config("b", "10.9.0.2/24", peers=[f"ring://{r1}", f"ring://{r2}?delay=0.01"]), 2
+    )
     try:
         await async_wait_until(lambda: len(b.links.get(1, ())) == 2, 10, "two links")
         await async_wait_until(lambda: all(lk.latency_us for lk in b.links[1]), 10, "both measured")
