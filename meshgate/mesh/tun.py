@@ -41,6 +41,7 @@ from typing import Any
 
 from meshgate.config import Config, IPNetwork
 from meshgate.logs import RateLimitedLog
+from meshgate.mesh import channels
 from meshgate.mesh import tun_packets as tp
 from meshgate.mesh import tun_routes as tr
 from meshgate.metrics import REGISTRY, LocalCounter
@@ -48,9 +49,9 @@ from meshgate.metrics import REGISTRY, LocalCounter
 log = logging.getLogger("meshgate.mesh.tun")
 _rlog = RateLimitedLog(log)
 
-L3_CHANNEL = 1  # mesh datagram channel carrying raw IP packets (UDP ASSOCIATE uses another)
-L3_VNET_CHANNEL = 3  # IP packets behind a virtio-net header (TUN offloads: GSO super-packets)
-L3_BUNDLE_CHANNEL = 4  # several packets for one node from one read batch, in one datagram
+L3_CHANNEL = channels.L3  # raw IP packets
+L3_VNET_CHANNEL = channels.L3_VNET  # IP packets behind a virtio-net header (TUN offloads: GSO super-packets)
+L3_BUNDLE_CHANNEL = channels.L3_BUNDLE  # several packets for one node from one read batch, in one datagram
 BUNDLE_MAX = 32768  # bytes per bundle; bigger packets (super-packets) travel alone
 _BUNDLE_PLAIN, _BUNDLE_VNET = 0, 1  # bundle format byte: what each item is
 ROUTE_SYNC_INTERVAL = 1.0  # seconds between checks of the mesh route table for proxy-CIDR changes

@@ -29,14 +29,15 @@ from typing import Any
 from meshgate.buffers import Buffer, BufferPool
 from meshgate.gateway.dialer import LocalUdpEgress
 from meshgate.logs import RateLimitedLog
+from meshgate.mesh import channels
 from meshgate.mesh.exit import ExitRules
 from meshgate.metrics import REGISTRY
 
 log = logging.getLogger("meshgate.mesh.udp")
 _rlog = RateLimitedLog(log)
 
-UDP_CHANNEL = 4  # portal -> egress (TUN uses 1 and 3)
-UDP_REPLY_CHANNEL = 5  # egress -> portal
+UDP_CHANNEL = channels.SOCKS_UDP  # portal -> egress
+UDP_REPLY_CHANNEL = channels.SOCKS_UDP_REPLY  # egress -> portal
 
 _HEAD = struct.Struct("!IHB")
 _DATAGRAMS = REGISTRY.counter(

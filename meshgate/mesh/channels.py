@@ -1,0 +1,11 @@
+"""Mesh datagram channels: one table, so two features never share a number.
+
+A DATAGRAM frame's channel selects the receiver's handler
+(`MeshService.on_datagram`); docs/PROTOCOL.md section 6 lists the same table.
+"""
+
+L3 = 1  # TUN: one raw IP packet
+SOCKS_UDP = 2  # SOCKS5 UDP ASSOCIATE, portal -> egress node
+L3_VNET = 3  # TUN: an IP packet behind a virtio-net header (GSO super-packet)
+L3_BUNDLE = 4  # TUN: several packets for one node from one read batch
+SOCKS_UDP_REPLY = 5  # SOCKS5 UDP ASSOCIATE, egress node -> portal
