@@ -594,7 +594,7 @@ def conn_rate(
         t0 = loop.time()
         end = t0 + seconds
         await asyncio.gather(*(_rr_worker(proxy, target, end, counts, limit) for _ in range(clients)))
-        elapsed = loop.time() - t0
+        elapsed = max(loop.time() - t0, 1e-6)  # a fast refusal can take under the clock's tick
         out = {"conn/s": counts[0] / elapsed, "errors/s": counts[1] / elapsed}
         if detail:
             out |= {"conns": float(counts[0]), "errors": float(counts[1]), "seconds": elapsed}

@@ -140,9 +140,10 @@ class Line:
 
 
 class MeshgateLine(Line):
-    def __init__(self, name: str, workdir: str, tree: Path = ROOT) -> None:
+    def __init__(self, name: str, workdir: str, tree: Path = ROOT, extra_toml: str = "") -> None:
         super().__init__(name, workdir)
         self.tree = tree  # the checkout to run (an extracted git REF for --ab)
+        self.extra_toml = extra_toml  # appended to every node's config (--variant)
         self.ports = {"a": free_port(), "b": self.b_port, "c": free_port()}
 
     def node_peer(self, node: str) -> Peer:
@@ -159,7 +160,7 @@ class MeshgateLine(Line):
             f'[node]\nname = "{node}"\nnetwork = "bench"\nsecret = "bench portal secret"\n'
             f'ipv4 = "{VIPS[node]}/24"\nstate_dir = "{state}"\n'
             f'[mesh]\nlisten = ["tcp://127.0.0.1:{self.ports[node]}"]\npeers = [{peers}]\n'
-            f"[socks5]\n{socks}\n[admin]\nenable = false\n"
+            f"[socks5]\n{socks}\n[admin]\nenable = false\n{self.extra_toml}\n"
         )
         # cwd first on sys.path (-m): an extracted REF's package shadows the working tree's.
         argv = [sys.executable, "-m", "meshgate", "run", "-c", str(conf), "--loop", "uvloop"]
@@ -283,6 +284,9 @@ def main() -> int:
     p.add_argument("--burst", type=int, default=1000, help="simultaneous CONNECTs in the burst")
     p.add_argument("--settle", type=float, default=3.0, help="idle seconds before an RSS reading")
     p.add_argument("--sections", default="main,churn", help="main, churn or both")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=TOML",
+                   help="also run meshgate with TOML appended to every node's config (\\n for newlines), "
+                   "e.g. 'window1m=[limits]\\nstream_window = 1048576'")
     p.add_argument("--ab", metavar="REF", help="also run meshgate as of git REF (A/B of a change)")
     args = p.parse_args()
     sections = {s.strip() for s in args.sections.split(",")}
@@ -296,13 +300,17 @@ def main() -> int:
     if args.ab and selected(args, f"meshgate@{args.ab}"):
         tree = git_tree(args.ab, workdir)
         starters[f"meshgate@{args.ab}"] = lambda: MeshgateLine(f"meshgate@{args.ab}", workdir, tree)
+    for spec in args.variant:
+        vname, _, toml = spec.partition("=")
+        starters[vname] = functools.partial(MeshgateLine, vname, workdir, ROOT, toml.replace("\\n", "\n"))
     if selected(args, "easytier"):
         if loopback_only():
             starters["easytier"] = lambda: EasyTierLine("easytier", workdir)
         else:
             print("easytier: not in a loopback-only network namespace, its rows are skipped "
                   "(run under ../shared/peers/isolated)", file=sys.stderr)
-    baseline = "easytier" if "easytier" in starters else (f"meshgate@{args.ab}" if args.ab else None)
+    # ratios against EasyTier when it runs; else an A/B: the change against REF, a --variant against meshgate
+    baseline = next((b for b in ("easytier", f"meshgate@{args.ab}", "meshgate") if b in starters), None)
 
     # SIGTERM (timeout, CI) unwinds through `finally` so nodes and targets stop too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
