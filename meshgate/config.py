@@ -194,6 +194,9 @@ class LimitsConfig:
     dns_tcp_idle_timeout: float = 10.0
     dns_tcp_max_clients: int = 1024  # per DNS TCP/DoT/DoH listener
     dns_tcp_max_queries: int = 64  # pipelined queries in flight per TCP/DoT connection
+    dns_upstream_max_connections: int = 4  # pooled connections per tcp/tls/https/quic upstream
+    dns_upstream_max_queries: int = 64  # queries in flight on one upstream connection (streams for h2/DoQ)
+    dns_upstream_idle_timeout: float = 30.0  # an upstream connection with nothing in flight this long closes
     doh_max_streams: int = 100
     doq_max_streams: int = 64
     doq_stream_timeout: float = 5.0
