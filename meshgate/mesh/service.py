@@ -85,6 +85,7 @@ _forwarded = REGISTRY.counter("meshgate_mesh_frames_forwarded_total", "Frames re
 
 OPEN_TIMEOUT = 10.0
 MIN_BUILD_INTERVAL = 0.05  # seconds between route builds while records keep changing
+ORIGINATE_DELAY = 0.05  # coalesce changes of the own record made within this time
 
 
 def load_node_id(state_dir: Path) -> int:
@@ -150,6 +151,7 @@ class MeshService:
         self._last_build = -1e9
         self._build_interval = MIN_BUILD_INTERVAL
         self._build_timer: asyncio.TimerHandle | None = None
+        self._originate_timer: asyncio.TimerHandle | None = None
         self._reachable: set[int] = {self.node_id}
         self.listen_addrs: list[str] = []
         self.stats: collections.Counter[str] = collections.Counter()  # per-instance, for tests and status
@@ -209,6 +211,8 @@ class MeshService:
             self._tick_handle.cancel()
         if self._build_timer is not None:
             self._build_timer.cancel()
+        if self._originate_timer is not None:
+            self._originate_timer.cancel()
         for name, factory in self._rings:
             link_ring.unlisten(name, factory)
         self._rings.clear()
@@ -353,6 +357,13 @@ class MeshService:
         return min(links, key=lambda k: (k.write_paused, k.latency_us or 1 << 40))
 
     def _update_neighbours(self) -> None:
+        """Re-originate the own record soon: link-ups, first pings and losses that come
+        together (a node starting, a flap) make one new version, not one each."""
+        if self._originate_timer is None and self.loop is not None:
+            self._originate_timer = self.loop.call_later(ORIGINATE_DELAY, self._originate)
+
+    def _originate(self) -> None:
+        self._originate_timer = None
         neighbours = []
         for nid in self.links:
             best = self._best_link(nid)
