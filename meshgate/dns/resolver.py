@@ -62,7 +62,7 @@ class Pipeline:
         self.pool = BufferPool(BUFFER_CAPACITY, BUFFER_HEADROOM, config.limits.buffer_pool_size)
         if upstreams is None:
             urls = list(config.dns.upstreams) or resolv_conf_upstreams()
-            upstreams = [parse_upstream(u) for u in urls]
+            upstreams = [parse_upstream(u, limits=config.limits) for u in urls]
         self.upstreams = upstreams
         self._preferred = 0
         self._pending: dict[tuple[bytes, int, int], asyncio.Task[Answer]] = {}
@@ -176,9 +176,11 @@ class Pipeline:
             self._pending.pop(key, None)
 
     def close(self) -> None:
-        """Cancel upstream exchanges still running (service stop)."""
+        """Cancel upstream exchanges still running and close pooled upstream connections (service stop)."""
         for fetch in list(self._pending.values()):
             fetch.cancel()
+        for up in self.upstreams:
+            up.close()
 
     async def _ask_upstreams(self, q: Query) -> Answer:
         key = (q.name, q.qtype, q.qclass)

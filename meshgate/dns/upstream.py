@@ -2,8 +2,13 @@
 
 Each upstream exchanges one wire query for one wire response; validating the
 response against the question is the pipeline's job (wire.parse_response).
-UDP uses a fresh socket per query so the source port is random (RFC 5452);
-TCP and TLS open one connection per query. DoH and DoQ go through dnspython.
+UDP uses a fresh socket per query so the source port is random (RFC 5452).
+TCP, TLS and DoQ keep a small pool of persistent connections with many
+queries in flight on each (meshgate/dns/upstream_pool.py); DoH goes through
+the pooled HTTP/2 client (meshgate/dns/h2client.py). Bounds:
+limits.dns_upstream_max_connections, dns_upstream_max_queries,
+dns_upstream_idle_timeout. Queries on encrypted transports are padded to
+128-byte blocks (RFC 8467).
 """
 
 from __future__ import annotations
@@ -15,12 +20,23 @@ import ssl
 import struct
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from meshgate.config import LimitsConfig
+from meshgate.dns.upstream_pool import (
+    ConnectionPool,
+    DoqConnection,
+    PooledConnection,
+    StreamConnection,
+    UpstreamError,
+    pad_query,
+)
 from meshgate.dns.wire import FLAG_TC
 
+__all__ = ["HttpsUpstream", "QuicUpstream", "TcpUpstream", "UdpUpstream", "Upstream", "UpstreamError",
+           "parse_upstream", "resolv_conf_upstreams"]
 
-class UpstreamError(Exception):
-    pass
+DOH_CONTENT_TYPE = b"application/dns-message"
 
 
 def _split_host_port(text: str, default_port: int) -> tuple[str, int]:
@@ -38,6 +54,9 @@ class Upstream:
 
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Close pooled connections (service stop)."""
 
 
 class _UdpClient(asyncio.DatagramProtocol):
@@ -57,11 +76,11 @@ class _UdpClient(asyncio.DatagramProtocol):
 
 
 class UdpUpstream(Upstream):
-    def __init__(self, url: str, host: str, port: int) -> None:
+    def __init__(self, url: str, host: str, port: int, limits: LimitsConfig | None = None) -> None:
         self.url = url
         self.host = host
         self.port = port
-        self.tcp = TcpUpstream(url, host, port, None, None)
+        self.tcp = TcpUpstream(url, host, port, None, None, limits)
 
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
         loop = asyncio.get_running_loop()
@@ -78,22 +97,40 @@ class UdpUpstream(Upstream):
             return await self.tcp.exchange(wire, timeout)  # RFC 7766: retry over TCP
         return data
 
+    def close(self) -> None:
+        self.tcp.close()
+
+
+def _pool(url: str, opener: Any, limits: LimitsConfig) -> ConnectionPool:
+    return ConnectionPool(url, opener, max_connections=limits.dns_upstream_max_connections,
+                          max_queries=limits.dns_upstream_max_queries,
+                          idle_timeout=limits.dns_upstream_idle_timeout, connect_timeout=limits.dns_timeout)
+
 
 class TcpUpstream(Upstream):
+    """tcp:// and tls://: pipelined queries over a few persistent connections."""
+
     def __init__(self, url: str, host: str, port: int, ssl_ctx: ssl.SSLContext | None,
-                 sni: str | None) -> None:
+                 sni: str | None, limits: LimitsConfig | None = None) -> None:
         self.url = url
         self.host = host
         self.port = port
         self.ssl_ctx = ssl_ctx
         self.sni = sni
+        self.limits = limits or LimitsConfig()
         # Set by the node when it is in a mesh: a plain-TCP upstream at an address
         # the mesh routes (a resolver on another node's virtual IP or behind its
         # proxy CIDR) is reached over a mesh stream through the node's dialer.
         self.node: Any = None
+        self.pool = _pool(url, self._open, self.limits)
 
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
-        return await asyncio.wait_for(self._exchange(wire), timeout)
+        if self.ssl_ctx is not None:
+            wire = pad_query(wire)
+        return await self.pool.exchange(wire, timeout)
+
+    def close(self) -> None:
+        self.pool.close()
 
     def _via_mesh(self) -> Any:
         node = self.node
@@ -105,91 +142,138 @@ class TcpUpstream(Upstream):
             return None
         return node.dialer if route is not None else None
 
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open(self) -> PooledConnection:
+        max_queries = self.limits.dns_upstream_max_queries
+
+        def factory() -> StreamConnection:
+            return StreamConnection(max_queries, self.url)
+
         dialer = self._via_mesh()
         if dialer is None:
-            return await asyncio.open_connection(
-                self.host, self.port, ssl=self.ssl_ctx,
+            loop = asyncio.get_running_loop()
+            _, proto = await loop.create_connection(
+                factory, self.host, self.port, ssl=self.ssl_ctx,
                 server_hostname=self.sni if self.ssl_ctx is not None else None,
             )
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(loop=loop)
+            return proto
         try:
-            transport, protocol, _ = await dialer.connect(
-                self.host, self.port, lambda: asyncio.StreamReaderProtocol(reader, loop=loop)
-            )
+            _, mproto, _ = await dialer.connect(self.host, self.port, factory)
         except Exception as e:  # DialError carries the SOCKS-style reason
             raise UpstreamError(f"{self.url} via the mesh: {e}") from None
-        return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
-
-    async def _exchange(self, wire: bytes) -> bytes:
-        reader, writer = await self._open()
-        try:
-            writer.write(len(wire).to_bytes(2, "big") + wire)
-            while True:
-                n = int.from_bytes(await reader.readexactly(2), "big")
-                data = await reader.readexactly(n)
-                if data[:2] == wire[:2]:
-                    return data
-        except asyncio.IncompleteReadError:
-            raise UpstreamError(f"{self.url} closed the connection") from None
-        finally:
-            writer.close()
+        conn: StreamConnection = mproto
+        return conn
 
 
 class HttpsUpstream(Upstream):
-    def __init__(self, url: str, verify: bool | str = True) -> None:
+    """DoH (RFC 8484) POSTs over the pooled HTTP/2 client; ID 0 on the wire, ours restored."""
+
+    def __init__(self, url: str, verify: bool | str = True, limits: LimitsConfig | None = None) -> None:
+        from meshgate.dns.h2client import H2Pool, client_ssl_context
+
         self.url = url
+        parts = urlsplit(url)
+        if not parts.hostname:
+            raise ValueError(f"{url!r} has no host")
+        self.host = parts.hostname
+        self.port = parts.port or 443
+        query = b"?" + parts.query.encode() if parts.query else b""
+        self.path = (parts.path or "/dns-query").encode() + query
         self.verify = verify
+        lim = limits or LimitsConfig()
+        ctx = client_ssl_context(insecure=verify is False, cafile=verify if isinstance(verify, str) else None)
+        self.pool = H2Pool(ctx, max_connections=lim.dns_upstream_max_connections,
+                           max_streams=lim.dns_upstream_max_queries, max_body=65535)
+        self._headers = [(b"content-type", DOH_CONTENT_TYPE), (b"accept", DOH_CONTENT_TYPE)]
 
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
-        import dns.asyncquery
-        import dns.message
+        from meshgate.dns.h2client import H2ClientError
 
-        q = dns.message.from_wire(wire)
-        r = await dns.asyncquery.https(q, self.url, timeout=timeout, verify=self.verify)
-        return r.to_wire()
+        body = b"\x00\x00" + pad_query(wire)[2:]  # RFC 8484 4.1: ID 0 (cache-friendly)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for attempt in (0, 1):
+            try:
+                resp = await self.pool.request(self.host, self.port, self.host, b"POST", self.path,
+                                               self._headers, body, max(deadline - loop.time(), 0.001))
+                break
+            except H2ClientError as e:
+                if e.kind in ("http_response_timeout", "connection_timeout"):
+                    raise TimeoutError(f"{self.url}: {e}") from None
+                if e.kind == "connection_terminated" and attempt == 0 and loop.time() < deadline:
+                    continue  # a pooled connection closed under us: once more on a fresh one
+                raise UpstreamError(f"{self.url}: {e}") from None
+        if resp.status != 200:
+            raise UpstreamError(f"{self.url}: HTTP status {resp.status}")
+        ctype = resp.header(b"content-type") or b""
+        if ctype.split(b";")[0].strip().lower() != DOH_CONTENT_TYPE:
+            raise UpstreamError(f"{self.url}: content-type {ctype!r}")
+        if len(resp.body) < 12:
+            raise UpstreamError(f"{self.url}: short answer")
+        return wire[:2] + resp.body[2:]
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 class QuicUpstream(Upstream):
+    """DoQ (RFC 9250): one QUIC connection (a few at most) carrying a stream per query."""
+
     def __init__(self, url: str, host: str, port: int, verify: bool | str = True,
-                 sni: str | None = None) -> None:
+                 sni: str | None = None, limits: LimitsConfig | None = None) -> None:
         self.url = url
         self.host = host
         self.port = port
         self.verify = verify
         self.sni = sni or host
+        self.limits = limits or LimitsConfig()
+        self.pool = _pool(url, self._open, self.limits)
 
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
-        import dns.asyncquery
-        import dns.message
+        return await self.pool.exchange(pad_query(wire), timeout)
 
-        addr = await _address(self.host, self.port)
-        q = dns.message.from_wire(wire)
-        qid = q.id
-        r = await dns.asyncquery.quic(q, addr, timeout=timeout, port=self.port,
-                                      server_hostname=self.sni, verify=self.verify)
-        r.id = qid  # DoQ sends ID 0 on the wire (RFC 9250; dnspython zeroes q.id): restore ours
-        return r.to_wire()
+    def close(self) -> None:
+        self.pool.close()
+
+    async def _open(self) -> PooledConnection:
+        from aioquic.quic.configuration import QuicConfiguration
+        from aioquic.quic.connection import QuicConnection
+
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_DGRAM)
+        if not infos:
+            raise UpstreamError(f"cannot resolve {self.host}")
+        family, _, _, _, addr = infos[0]
+        config = QuicConfiguration(is_client=True, alpn_protocols=["doq"], server_name=self.sni)
+        if self.verify is False:
+            config.verify_mode = ssl.CERT_NONE
+        elif isinstance(self.verify, str):
+            config.load_verify_locations(self.verify)
+        quic = QuicConnection(configuration=config)
+        max_queries = self.limits.dns_upstream_max_queries
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+            transport, proto = await loop.create_datagram_endpoint(
+                lambda: DoqConnection(quic, max_queries=max_queries, name=self.url), sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            proto.connect(addr)
+            await proto.wait_connected()
+        except BaseException:
+            proto.close()
+            transport.close()
+            raise
+        return proto
 
 
-async def _address(host: str, port: int) -> str:
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        pass
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-    if not infos:
-        raise UpstreamError(f"cannot resolve {host}")
-    return str(infos[0][4][0])
-
-
-def parse_upstream(url: str, verify: bool | str = True) -> Upstream:
+def parse_upstream(url: str, verify: bool | str = True, limits: LimitsConfig | None = None) -> Upstream:
     scheme, sep, rest = url.partition("://")
     if not sep:
         raise ValueError(f"{url!r} is not an upstream URL")
     if scheme == "https":
-        return HttpsUpstream(url, verify)
+        return HttpsUpstream(url, verify, limits)
     if scheme == "odoh":
         from meshgate.dns.odoh_client import OdohUpstream  # imports this module: load late
 
@@ -198,10 +282,10 @@ def parse_upstream(url: str, verify: bool | str = True) -> Upstream:
     rest = rest.rstrip("/")
     if scheme == "udp":
         host, port = _split_host_port(rest, 53)
-        return UdpUpstream(url, host, port)
+        return UdpUpstream(url, host, port, limits)
     if scheme == "tcp":
         host, port = _split_host_port(rest, 53)
-        return TcpUpstream(url, host, port, None, None)
+        return TcpUpstream(url, host, port, None, None, limits)
     if scheme == "tls":
         host, port = _split_host_port(rest, 853)
         ctx = ssl.create_default_context()
@@ -211,10 +295,10 @@ def parse_upstream(url: str, verify: bool | str = True) -> Upstream:
         elif isinstance(verify, str):
             ctx.load_verify_locations(verify)
         ctx.set_alpn_protocols(["dot"])
-        return TcpUpstream(url, host, port, ctx, sni or host)
+        return TcpUpstream(url, host, port, ctx, sni or host, limits)
     if scheme == "quic":
         host, port = _split_host_port(rest, 853)
-        return QuicUpstream(url, host, port, verify, sni or None)
+        return QuicUpstream(url, host, port, verify, sni or None, limits)
     raise ValueError(f"unsupported upstream scheme {scheme!r}")
 
 
