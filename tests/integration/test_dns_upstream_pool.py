@@ -8,6 +8,7 @@ DoH server protocol in front of the LocalAuthority.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import struct
 import types
@@ -29,7 +30,7 @@ from meshgate.dns.stats import ListenerStats
 from meshgate.dns.upstream import parse_upstream
 from meshgate.dns.upstream_pool import StreamCore, UpstreamError, pad_query
 from meshgate.metrics import REGISTRY
-from tests.helpers import async_wait_until
+from tests.helpers import async_wait_until, free_port
 from tests.integration.test_dns_upstream import LocalAuthority, ask, make_config, query
 
 
@@ -379,3 +380,68 @@ async def test_quic_upstream_carries_many_streams_on_one_connection(auth: LocalA
     finally:
         p.close()
         server.close()
+
+
+async def test_https_and_quic_dropped_connections_are_replaced(auth: LocalAuthority, tls_files: Any) -> None:
+    back = Pipeline(make_config([auth.url]), types.SimpleNamespace(mesh=None))
+    stats = ListenerStats("test-doh")
+    app = DohApp(back, stats, "/dns-query")
+    h2conns: list[H2ServerProtocol] = []
+
+    def factory() -> H2ServerProtocol:
+        h2conns.append(H2ServerProtocol(app, stats, back.config.limits, set()))
+        return h2conns[-1]
+
+    ctx = certs.server_context(*tls_files, alpn=["h2"])
+    h2srv = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0, ssl=ctx)
+    DoqTestServer.accepted = 0
+    DoqTestServer.auth = auth
+    DoqTestServer.ids = []
+    config = QuicConfiguration(is_client=False, alpn_protocols=["doq"])
+    config.load_cert_chain(str(tls_files[0]), str(tls_files[1]))
+    quic_protos: list[DoqTestServer] = []
+
+    def make_doq(*a: Any, **k: Any) -> DoqTestServer:
+        quic_protos.append(DoqTestServer(*a, **k))
+        return quic_protos[-1]
+
+    qsrv = await serve("127.0.0.1", 0, configuration=config, create_protocol=make_doq)
+    h2url = f"https://localhost:{h2srv.sockets[0].getsockname()[1]}/dns-query"
+    qurl = f"quic://127.0.0.1:{qsrv._transport.get_extra_info('sockname')[1]}#localhost"  # type: ignore[union-attr]
+    ph, pq = pipeline(h2url, verify=str(tls_files[0])), pipeline(qurl, verify=str(tls_files[0]))
+    try:
+        assert (await ask(ph, "www.example.test")).answer and (await ask(pq, "www.example.test")).answer
+        for h in h2conns:
+            assert h.transport is not None
+            h.transport.abort()
+        for q in quic_protos:
+            q.close()  # CONNECTION_CLOSE to the client
+        await async_wait_until(lambda: len(pq.upstreams[0].pool) == 0, 5, "DoQ connection forgotten")  # type: ignore[attr-defined]
+        assert (await ask(ph, "five.example.test")).answer and (await ask(pq, "five.example.test")).answer
+        assert len(h2conns) == 2 and DoqTestServer.accepted == 2
+    finally:
+        ph.close()
+        pq.close()
+        back.close()
+        h2srv.close()
+        qsrv.close()
+        await h2srv.wait_closed()
+
+
+async def test_dead_https_and_quic_upstreams_fail_over_within_the_timeout(auth: LocalAuthority) -> None:
+    good = await StreamAuthority(auth).start()
+    cfg = make_config([], dns_timeout=0.3)
+    urls = [f"quic://127.0.0.1:{free_port(socket.SOCK_DGRAM)}", f"https://127.0.0.1:{free_port()}/dns-query",
+            f"tcp://127.0.0.1:{good.port}"]
+    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None),
+                 upstreams=[parse_upstream(u, verify=False, limits=cfg.limits) for u in urls])
+    loop = asyncio.get_running_loop()
+    try:
+        t0 = loop.time()
+        r = await ask(p, "www.example.test")
+        assert r.answer[0][0].address == "192.0.2.1"
+        assert loop.time() - t0 < 0.3 * 2 + 0.5  # DoQ: one timeout (no handshake); DoH: refused at once
+        assert p.upstreams[p._preferred].url == urls[2]
+    finally:
+        p.close()
+        await good.stop()
