@@ -61,11 +61,12 @@ async def portal(
     max_clients: int = 1024,
     udp: bool = True,
     resolver: Any = None,
+    listen: str = "127.0.0.1",
     **limits: Any,
 ) -> AsyncIterator[Portal]:
     cfg = Config(
         socks5=Socks5Config(
-            listen=HostPort("127.0.0.1", 0),
+            listen=HostPort(listen, 0),
             users=tuple(User(n, p) for n, p in users),
             udp=udp,
             max_clients=max_clients,
@@ -612,6 +613,31 @@ async def test_udp_associate_exchange_frag_precedence_and_close() -> None:
         echo.close()
         client.close()
         other.close()
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback on this host")
+async def test_udp_associate_over_ipv6_portal_to_ipv4_target() -> None:
+    """A portal on ::1: the relay socket is IPv6, the client's source is pinned
+    as the IPv6 peer, and an IPv4 target is reached through the IPv4 egress."""
+    echo = UdpEcho("127.0.0.1")
+    client = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    client.bind(("::1", 0))
+    client.setblocking(False)
+    try:
+        async with portal(listen="::1") as p:
+            r, w = await asyncio.open_connection("::1", p.port)
+            w.write(b"\x05\x01\x00" + request(3, 4, bytes(16), 0))
+            assert await r.readexactly(2) == b"\x05\x00"
+            rep, atyp, addr, rport = await asyncio.wait_for(read_reply(r), 5)
+            assert (rep, atyp) == (0, 4)
+            relay = (socket.inet_ntop(socket.AF_INET6, addr), rport)
+            assert relay[0] == "::1"
+            hdr = udp_header(1, socket.inet_aton("127.0.0.1"), echo.port)
+            assert await udp_exchange(client, relay, hdr + b"v6") == hdr + b"echo:v6"
+            w.close()
+    finally:
+        echo.close()
+        client.close()
 
 
 async def test_udp_associate_disabled_replies_07() -> None:
