@@ -141,13 +141,7 @@ class Socks5Server:
 _HANDSHAKE, _CONNECTING, _RELAY, _UDP, _CLOSED = range(5)
 
 
-class _RelayProtocol(asyncio.Protocol, asyncio.BufferedProtocol):
-    """Both kinds at once: socket transports see a BufferedProtocol and read
-    into `get_buffer()`; transports that deliver bytes (mesh streams, which
-    check for asyncio.Protocol) call `data_received`."""
-
-
-class ClientProtocol(_RelayProtocol):
+class ClientProtocol(asyncio.BufferedProtocol):
     """One SOCKS client connection, from greeting to close."""
 
     def __init__(self, server: Socks5Server) -> None:
@@ -481,11 +475,37 @@ class ClientProtocol(_RelayProtocol):
         self.close()
 
 
-class UpstreamProtocol(_RelayProtocol):
-    """The destination side of one relay; every event goes to its client.
+class _UpstreamEvents:
+    """What both upstream protocol kinds do besides reading: pass events to the client."""
 
-    Socket transports use the buffered path (get_buffer/buffer_updated); a
-    transport that delivers bytes (a mesh stream) calls data_received.
+    client: ClientProtocol
+
+    def eof_received(self) -> bool:
+        return self.client.upstream_eof()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client.upstream_lost()
+
+    def pause_writing(self) -> None:
+        # The destination reads slower than the client sends: stop reading the client.
+        t = self.client.transport
+        if t is not None and not t.is_closing():
+            t.pause_reading()
+
+    def resume_writing(self) -> None:
+        t = self.client.transport
+        if t is not None and not t.is_closing() and self.client.state == _RELAY:
+            t.resume_reading()
+
+
+class UpstreamProtocol(_UpstreamEvents, asyncio.Protocol):
+    """The destination side of one relay, for any transport the dialer returns.
+
+    A transport that delivers bytes (a mesh stream, which only talks to an
+    asyncio.Protocol) calls data_received. A socket transport gets swapped to
+    `BufferedUpstream` at once, so its reads land in the shared read buffer:
+    uvloop takes the buffered path only for a protocol that is not also an
+    asyncio.Protocol, so one class cannot serve both.
     """
 
     def __init__(self, client: ClientProtocol) -> None:
@@ -493,6 +513,19 @@ class UpstreamProtocol(_RelayProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.client.upstream_made(transport)  # type: ignore[arg-type]
+        if transport.get_extra_info("socket") is not None:
+            with contextlib.suppress(NotImplementedError, AttributeError):
+                transport.set_protocol(BufferedUpstream(self.client))
+
+    def data_received(self, data: bytes) -> None:
+        self.client.upstream_data(data)
+
+
+class BufferedUpstream(_UpstreamEvents, asyncio.BufferedProtocol):
+    """The destination side on a socket transport: reads into the shared buffer."""
+
+    def __init__(self, client: ClientProtocol) -> None:
+        self.client = client
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.client.server.read_buffer.view
@@ -511,23 +544,3 @@ class UpstreamProtocol(_RelayProtocol):
             client._bytes_out.add(nbytes)
             return
         client.upstream_data(bytes(rb.view[:nbytes]))
-
-    def data_received(self, data: bytes) -> None:
-        self.client.upstream_data(data)
-
-    def eof_received(self) -> bool:
-        return self.client.upstream_eof()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.client.upstream_lost()
-
-    def pause_writing(self) -> None:
-        # The destination reads slower than the client sends: stop reading the client.
-        t = self.client.transport
-        if t is not None and not t.is_closing():
-            t.pause_reading()
-
-    def resume_writing(self) -> None:
-        t = self.client.transport
-        if t is not None and not t.is_closing() and self.client.state == _RELAY:
-            t.resume_reading()
