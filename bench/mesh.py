@@ -60,7 +60,7 @@ from bench.common import (
     self_cpu_seconds,
     wait_port,
 )
-from meshgate.mesh.routing import Record, RouteTable
+from meshgate.mesh.routing import Record, RouteTable, encode_records
 from meshgate.mesh.service import MeshService
 from meshgate.mesh.testing import Collector, converged, node_config, ring_name, stop_all
 
@@ -384,6 +384,40 @@ def rebuild_time(n: int) -> Metrics:
     return {"rebuild_ms": statistics.median(times) * 1000}
 
 
+def sync_simulation(n: int) -> Metrics:
+    """Convergence of the sans-I/O sync alone (RouteTables exchanging ROUTES bodies
+    round by round, no sockets, no event loop): what 1,000 nodes cost in routing work."""
+    adj = random_graph(n, 3, seed=n)
+    tables = {
+        i: RouteTable(Record(i, 1, 1, f"n{i}", neighbours=tuple(adj[i])), max_records=n + 1) for i in adj
+    }
+    for i, t in tables.items():
+        for j, _ in adj[i]:
+            t.neighbour_up(j)
+    t0 = time.perf_counter()
+    rounds = bodies = 0
+    while True:
+        moved = 0
+        for i, t in tables.items():
+            for j, _ in adj[i]:
+                recs = t.records_to_send(j, 0.0)
+                if recs:
+                    for body in encode_records(recs, 60000):
+                        bodies += 1
+                        t.receive_acks(j, tables[j].receive_body(i, body, 0.0))
+                    moved += len(recs)
+        rounds += 1
+        if not moved:
+            break
+    for t in tables.values():
+        t.build()
+    elapsed = time.perf_counter() - t0
+    assert all(len(t.hop_paths) == n for t in tables.values())
+    return {
+        "converge_s": elapsed, "rounds": rounds, "routes_frames": bodies, "cpu_ms_per_node": elapsed / n * 1000
+    }
+
+
 def convergence_time(n: int) -> Metrics:
     adj = random_graph(n, 3, seed=n)
 
@@ -626,6 +660,11 @@ def main() -> None:
         r = Runner("route rebuild (one graph build, both policies)", args.rounds)
         for n in (50, 200, 1000):
             r.add(f"{n} nodes", functools.partial(rebuild_time, n))
+        r.run()
+        runners.append(r)
+        r = Runner("convergence, sans-I/O sync simulation (every node's RouteTable, no sockets)", 1)
+        for n in (50, 200, 1000):
+            r.add(f"{n} nodes", functools.partial(sync_simulation, n))
         r.run()
         runners.append(r)
         r = Runner("convergence, N services on ring links in one process", 1)
