@@ -414,7 +414,10 @@ def sync_simulation(n: int) -> Metrics:
     elapsed = time.perf_counter() - t0
     assert all(len(t.hop_paths) == n for t in tables.values())
     return {
-        "converge_s": elapsed, "rounds": rounds, "routes_frames": bodies, "cpu_ms_per_node": elapsed / n * 1000
+        "converge_s": elapsed,
+        "rounds": rounds,
+        "routes_frames": bodies,
+        "cpu_ms_per_node": elapsed / n * 1000,
     }
 
 
