@@ -284,7 +284,10 @@ class MeshService:
         while self._running:
             try:
                 link = await self.connect(url)
-                if await link.closed:
+                began = self.loop.time()
+                # back off again unless the link was up for a while: a peer that accepts
+                # and then drops us (limits.max_peers, a flapping path) is not hammered
+                if await link.closed and self.loop.time() - began > 10 * self.ping_interval:
                     attempt = 0
             except (OSError, TimeoutError) as e:
                 _rlog.debug(f"connect:{url}", "mesh peer %s: connect failed: %s", url, e)
