@@ -54,6 +54,10 @@ class MeshDialer(Dialer):
         self.direct_fallback = cfg.mesh.direct_fallback
         self.egress = connector(node, kw.get("connect_timeout"))
         self.own_vips = {str(i.ip) for i in (cfg.node.ipv4, cfg.node.ipv6) if i is not None}
+        # The mesh's own virtual subnets never fall back to a direct connect: an
+        # address there with no route (unassigned, or not yet converged) would
+        # otherwise leave by the host's default route.
+        self.vnets = tuple(i.network for i in (cfg.node.ipv4, cfg.node.ipv6) if i is not None)
 
     @classmethod
     def for_node(cls, node: Any) -> MeshDialer:
@@ -117,7 +121,8 @@ class MeshDialer(Dialer):
         else:
             route = self.route_name()
         if route is None:
-            if self.direct_fallback and (ip is None or str(ip) not in self.own_vips):
+            in_vnet = ip is not None and any(ip.version == n.version and ip in n for n in self.vnets)
+            if self.direct_fallback and not in_vnet:
                 _routed.labels("direct").inc()
                 return await super()._connect(host, port, protocol_factory)
             _routed.labels("unreachable").inc()

@@ -243,3 +243,26 @@ async def test_udp_associate_over_the_mesh(line: dict[str, Node]) -> None:
     # the association ends with its TCP connection: A forgets it
     hub = line["a"].udp_hub
     await async_wait_until(lambda: not hub.portals, what="association closed on A")
+
+
+async def test_direct_fallback_never_takes_the_mesh_subnet(tmp_path: Any) -> None:
+    """With direct_fallback on, an unrouted address in the node's own virtual subnet is refused
+    (0x03), not connected from the host. The subnet is on loopback here so that a regression
+    would only ever reach 127.77.0.99 (and show up as 0x05 from the kernel)."""
+    a = await start(cfg("solo", "127.77.0.1/24", node={"state_dir": str(tmp_path / "solo")},
+                        mesh={"direct_fallback": True}, socks5={"enable": True, "listen": "127.0.0.1:0"}))
+    try:
+        svc = next(s for s in a.services if s.name == "socks5")
+        addr = svc.address  # type: ignore[attr-defined]
+        proxy = Proxy.from_url(f"socks5://{addr.host}:{addr.port}")
+        with pytest.raises(ProxyError) as ei:
+            await proxy.connect(dest_host="127.77.0.99", dest_port=9, timeout=10)
+        assert ei.value.error_code == 0x03
+        # outside the mesh subnet the fallback still works
+        server, port = await echo_server()
+        try:
+            assert await roundtrip(proxy, "127.0.0.1", port) == b"echo:hello"
+        finally:
+            server.close()
+    finally:
+        await a.stop()
