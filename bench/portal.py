@@ -242,9 +242,20 @@ def churn_run(start: Callable[[], Line], targets: Targets, size: int, churn: int
         out["churn errors"] = m["errors"]
         out["churn conn/s"] = m["conn/s"]
         after = line.rss_mib()
-        after_mb = size / bulk_down(line.socks, bulk, size) / 1e6
-        after_rtt = echo_rtt(line.socks, bulk, rtt_count)["rtt_us_p50"]
+        # A portal may come out of the churn broken: record that (and how often the
+        # bulk CONNECT failed) instead of losing the row.
+        after_mb = after_rtt = 0.0
+        failures = 0
+        for _ in range(3):
+            try:
+                after_mb = size / bulk_down(line.socks, bulk, size) / 1e6
+                after_rtt = echo_rtt(line.socks, bulk, rtt_count)["rtt_us_p50"]
+                break
+            except (RuntimeError, OSError) as e:
+                failures += 1
+                print(f"  [{line.name}] after churn: {e}", file=sys.stderr)
         settled = settled_rss(line, settle)
+        out["after: failed bulk/rtt tries"] = failures
         out["after 2hop down MB/s"] = after_mb
         out["after 2hop rtt us p50"] = after_rtt
         out["after/fresh MB/s"] = after_mb / fresh_mb
