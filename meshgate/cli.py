@@ -121,7 +121,8 @@ def _print_banner(node: Any) -> None:
         if listen:
             lines.append(f"  {name}: {listen}")
         for extra in st.get("notes", []):
-            lines.append(f"  {name}: {extra}")
+            if not listen or extra not in listen:  # a note that only repeats an address adds nothing
+                lines.append(f"  {name}: {extra}")
     print("\n".join(lines), flush=True)
 
 
