@@ -7,10 +7,48 @@ import ipaddress
 import os
 import ssl
 from pathlib import Path
+from typing import Any
 
 CERT_NAME = "dns-selfsigned.crt"
 KEY_NAME = "dns-selfsigned.key"
 VALID_DAYS = 365
+
+
+def make_self_signed(common_name: str, sans: list[str], days: int) -> tuple[Any, Any]:
+    """A self-signed P-256 certificate and its key (cryptography objects), in memory.
+
+    `sans` holds DNS names and IP literals. Used for the DNS listeners (written to
+    the state dir below) and for QUIC mesh links (the Noise handshake inside
+    authenticates those, so their certificate only has to exist).
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+                      x509.NameAttribute(NameOID.ORGANIZATION_NAME, "meshgate self-signed")])
+    alt: list[x509.GeneralName] = []
+    for san in sans:
+        try:
+            alt.append(x509.IPAddress(ipaddress.ip_address(san)))
+        except ValueError:
+            alt.append(x509.DNSName(san))
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    return cert, key
 
 
 def ensure_self_signed(state_dir: Path) -> tuple[Path, Path]:
@@ -19,9 +57,7 @@ def ensure_self_signed(state_dir: Path) -> tuple[Path, Path]:
     P-256 key, SAN localhost, 127.0.0.1 and ::1; the key file is 0600.
     """
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from cryptography.hazmat.primitives import serialization
 
     cert_path, key_path = state_dir / CERT_NAME, state_dir / KEY_NAME
     now = datetime.datetime.now(datetime.UTC)
@@ -33,25 +69,7 @@ def ensure_self_signed(state_dir: Path) -> tuple[Path, Path]:
         except ValueError:
             pass
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost"),
-                      x509.NameAttribute(NameOID.ORGANIZATION_NAME, "meshgate self-signed")])
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
-        .add_extension(x509.SubjectAlternativeName([
-            x509.DNSName("localhost"),
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-            x509.IPAddress(ipaddress.ip_address("::1")),
-        ]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
+    cert, key = make_self_signed("localhost", ["localhost", "127.0.0.1", "::1"], VALID_DAYS)
     key_bytes = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                   serialization.NoEncryption())
     fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -11,7 +11,6 @@ to `Link`.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import ssl
 from collections.abc import Callable
 from typing import Any
@@ -22,30 +21,10 @@ from aioquic.asyncio.server import QuicServer, serve
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataReceived, StreamReset
 
+from meshgate.dns.certs import make_self_signed
+
 ALPN = "meshgate-mesh/1"
 ProtocolFactory = Callable[[], asyncio.Protocol]
-
-
-def _self_signed() -> tuple[Any, Any]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meshgate-mesh")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=365))
-        .sign(key, hashes.SHA256())
-    )
-    return cert, key
 
 
 class QuicStreamTransport(asyncio.Transport):
@@ -152,7 +131,7 @@ def _config(is_client: bool) -> QuicConfiguration:
     if is_client:
         cfg.verify_mode = ssl.CERT_NONE  # authentication is the Noise handshake inside
     else:
-        cfg.certificate, cfg.private_key = _self_signed()
+        cfg.certificate, cfg.private_key = make_self_signed("meshgate-mesh", ["meshgate-mesh"], 365)
     return cfg
 
 
