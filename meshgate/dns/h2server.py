@@ -82,7 +82,9 @@ class H2ServerProtocol(asyncio.Protocol):
         self.conn = h2.connection.H2Connection(
             # Inbound headers are validated by h2; outbound ones are ours (fixed names, numbers,
             # a media type), so skipping their validation/normalisation saves ~10% per request.
-            h2.config.H2Configuration(client_side=False, header_encoding="utf-8",
+            # Inbound headers come as bytes (header_encoding=None): h2 still validates them, and we
+            # decode the few we hand on in one pass instead of h2's generator per header.
+            h2.config.H2Configuration(client_side=False, header_encoding=None,
                                       validate_outbound_headers=False, normalize_outbound_headers=False)
         )
         self.transport: asyncio.Transport | None = None
@@ -251,15 +253,16 @@ class H2ServerProtocol(asyncio.Protocol):
         clen = 0
         headers: list[tuple[str, str]] = []
         for k, v in ev.headers or ():
-            name, value = str(k), str(v)
-            if name == ":method":
-                method = value
-            elif name == ":path":
-                path = value
+            # latin-1 never fails to decode (a non-UTF-8 value is not worth an exception here).
+            if k == b":method":
+                method = v.decode("latin-1")
+            elif k == b":path":
+                path = v.decode("latin-1")
             else:
-                if name == "content-length":
+                value = v.decode("latin-1")
+                if k == b"content-length":
                     clen = int(value) if value.isdigit() else 0
-                headers.append((name, value))
+                headers.append((k.decode("latin-1"), value))
         st = _Stream(method, path, headers)
         self.streams[sid] = st
         self.active += 1
