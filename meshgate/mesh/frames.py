@@ -294,12 +294,20 @@ class LinkCodec:
     def receive(self, data: bytes | bytearray | memoryview) -> None:
         """Consume bytes from the link. Raises LinkError when the link must close."""
         buf = self._buf
+        if self._hs is None and not buf:
+            # Nothing held back (the usual case once established): open the records
+            # straight from `data` and keep only an incomplete tail, instead of first
+            # copying every received byte into the buffer (~8% of a portal's CPU in bulk).
+            used = self._receive_records(data)
+            if used < len(data):
+                buf += memoryview(data)[used:]
+            return
         buf += data
         if self._hs is not None:
             self._receive_handshake()
             if self._hs is not None:
                 return
-        self._receive_records()
+        self._receive_records(buf)
 
     def _receive_handshake(self) -> None:
         buf = self._buf
@@ -344,8 +352,10 @@ class LinkCodec:
             # records that follow in this same read might make us send
             self.send_frame(HELLO, 0, 1, self.hello.node_id, 0, encode_hello(self.hello))
 
-    def _receive_records(self) -> None:
-        buf = self._buf
+    def _receive_records(self, buf: bytes | bytearray | memoryview) -> int:
+        """Open the complete records at the start of `buf` (the held-back buffer or fresh
+        bytes); returns the bytes used. Used bytes leave the held-back buffer even when a
+        record fails the link."""
         recv = self.recv
         assert recv is not None
         pos, end = 0, len(buf)
@@ -375,8 +385,9 @@ class LinkCodec:
                 self.records_in += 1
                 self.malformed += iter_frames(plain, self.on_frame)
         finally:
-            if pos:
-                del buf[:pos]
+            if pos and buf is self._buf:
+                del self._buf[:pos]
+        return pos
 
     # ----------------------------------------------------------------- send
 

@@ -81,6 +81,23 @@ def test_byte_at_a_time_delivery() -> None:
     assert gb == [(DATAGRAM, 0, 8, 1, 2, b"x" * 1000)]
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=3000), min_size=1, max_size=8), st.data())
+def test_records_split_anywhere_arrive_whole_and_in_order(sizes: list[int], data: st.DataObject) -> None:
+    """Chunks holding several records and a partial one: the complete records open straight
+    from the chunk, the tail is held back and finished by the next chunks."""
+    a, b, _, gb = _pair()
+    gb.clear()
+    wire = b""
+    for i, n in enumerate(sizes):
+        a.send_frame(DATAGRAM, 0, 8, 1, 2, bytes([i]) * n)
+        wire += b"".join(a.data_to_send())  # one record per frame
+    cuts = sorted(data.draw(st.lists(st.integers(min_value=1, max_value=len(wire) - 1), max_size=6)))
+    for lo, hi in zip([0, *cuts], [*cuts, len(wire)], strict=True):
+        b.receive(wire[lo:hi])
+    assert [g[5] for g in gb] == [bytes([i]) * n for i, n in enumerate(sizes)]
+
+
 def test_replayed_record_is_dropped_and_counted() -> None:
     a, b, _, gb = _pair()
     gb.clear()
