@@ -13,8 +13,12 @@ round. Helpers below measure the usual things:
   read from /proc so no psutil is needed;
 * `measure_in_process(fn, ops)` for an in-process variant: wall and CPU time,
   tracemalloc bytes and blocks per op, and gc collections during the run;
-* `Peer` starts a command, waits for its port, reports its CPU and RSS, and
-  stops it (and its process group) afterwards.
+* `Peer` starts a command, waits for its port (or a line of its output),
+  reports its CPU and RSS, and stops it (and its process group) afterwards;
+* the one SOCKS5 client every SOCKS benchmark uses (`bulk_down`, `bulk_up`,
+  `echo_rtt`, `conn_rate`, `connect_burst`) and its targets (`Targets`: a
+  child process serving download/upload/echo and request/response);
+* `git_tree(REF)` for A/B runs of a change against an older commit.
 
 Bench scripts run as `python bench/NAME.py`; put the repository root on
 sys.path first (`sys.path.insert(0, str(Path(__file__).resolve().parent.parent))`)
