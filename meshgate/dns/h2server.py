@@ -34,6 +34,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import hpack
 
 from meshgate.buffers import Buffer
 from meshgate.config import LimitsConfig
@@ -50,6 +51,49 @@ Handler = Callable[[str, str, list[tuple[str, str]], bytes], Response | Awaitabl
 MAX_BODY = 65535
 MAX_HEADER_LIST = 16384
 current_peer: contextvars.ContextVar[Any] = contextvars.ContextVar("current_peer", default=None)
+
+
+class _MemoEncoder(hpack.Encoder):
+    """An HPACK encoder that hands back the block it produced for the same header list, as long
+    as the dynamic table is exactly as it was then (DoH answers repeat the same few headers).
+
+    A block is stored only when encoding it left the table untouched: then it is a function of
+    (headers, table), byte for byte what hpack would encode again. The table is recognised by
+    its first entry (held here, so compared by identity: every addition is a new tuple), its
+    length and its maximum size. Only plain tuples are remembered: a NeverIndexedHeaderTuple
+    compares equal to a plain tuple but must be encoded differently.
+    """
+
+    MEMO_MAX = 256
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._memo: dict[tuple[Any, ...], tuple[bytes, Any, int, int]] = {}
+
+    def encode(self, headers: Any, huffman: bool = True) -> bytes:
+        table = self.header_table
+        entries = table.dynamic_entries
+        first = entries[0] if entries else None
+        size = len(entries)
+        maxsize = table.maxsize
+        plain = not table.resized and isinstance(headers, list)
+        if plain:
+            for h in headers:
+                if type(h) is not tuple:
+                    plain = False
+                    break
+        if not plain:
+            return super().encode(headers, huffman)
+        key = tuple(headers)
+        hit = self._memo.get(key)
+        if hit is not None and hit[1] is first and hit[2] == size and hit[3] == maxsize:
+            return hit[0]
+        block = super().encode(headers, huffman)
+        if (entries[0] if entries else None) is first and len(entries) == size:
+            if len(self._memo) >= self.MEMO_MAX:
+                self._memo.clear()
+            self._memo[key] = (block, first, size, maxsize)
+        return block
 
 
 class _Stream:
@@ -87,6 +131,7 @@ class H2ServerProtocol(asyncio.Protocol):
             h2.config.H2Configuration(client_side=False, header_encoding=None,
                                       validate_outbound_headers=False, normalize_outbound_headers=False)
         )
+        self.conn.encoder = _MemoEncoder()
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None
         self.streams: dict[int, _Stream] = {}
