@@ -25,6 +25,11 @@ Nothing leaves 127.0.0.1: peers answer `*.test` locally; load is bounded in
 count and time.
 
     .venv/bin/python bench/dns.py [--rounds 3] [--alloc-queries N] [--seconds S] [--json FILE]
+
+A/B of a change on real sockets: `--ab REF` also runs meshgate as of git REF
+(`meshgate@REF`, from a `git archive` of meshgate/) beside the working tree,
+in the same alternating rounds; `--only meshgate,meshgate@REF --rows GET,POST`
+narrows the table to the DoH rows of the two.
 """
 
 from __future__ import annotations
@@ -53,7 +58,17 @@ import dns.rrset  # noqa: E402
 import h2.config  # noqa: E402
 import h2.connection  # noqa: E402
 
-from bench.common import Metrics, Peer, Runner, add_args, free_port, measure_in_process, report, selected  # noqa: E402
+from bench.common import (  # noqa: E402
+    Metrics,
+    Peer,
+    Runner,
+    add_args,
+    free_port,
+    git_tree,
+    measure_in_process,
+    report,
+    selected,
+)
 from meshgate.config import from_dict  # noqa: E402
 from meshgate.dns import wire  # noqa: E402
 from meshgate.dns.doh import DohApp  # noqa: E402
@@ -157,7 +172,7 @@ async def _alloc_variant(pooled: bool, n: int, chunks: list[bytes]) -> Metrics:
                 srv.timer.cancel()
             srv.connection_lost(None)
             answered = stats.snapshot()["responses"]
-            assert isinstance(answered, dict) and answered.get("NOERROR", 0) >= n, f"not all answered: {answered}"
+            assert isinstance(answered, dict) and answered.get("NOERROR", 0) >= n, f"unanswered: {answered}"
 
         allocated = REGISTRY.counter("meshgate_buffer_allocated_total", "").labels()
         a0 = allocated.value
@@ -215,7 +230,7 @@ class Server:
         self.name, self.peer, self.udp, self.doh = name, peer, udp, doh
 
 
-def start_servers(tmp: Path, wanted: set[str]) -> dict[str, Server]:
+def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None) -> dict[str, Server]:
     cert, key = _cert(tmp)
     servers: dict[str, Server] = {}
     # unbound is also meshgate's loopback upstream, so it always runs.
@@ -230,12 +245,22 @@ def start_servers(tmp: Path, wanted: set[str]) -> dict[str, Server]:
                      DOH_PORT=str(d_doh), CERT=str(cert), KEY=str(key))
         argv = ["dnsdist", "--supervised", "--disable-syslog", "-C", str(conf)]
         servers["dnsdist"] = Server("dnsdist", Peer("dnsdist", argv, port=d_doh).start(), d_udp, d_doh)
+    trees = [("meshgate", ROOT)]
+    if ab_ref:
+        trees.append((f"meshgate@{ab_ref}", git_tree(ab_ref, str(tmp))))
+    for name, cwd in trees:
+        servers[name] = _start_meshgate(tmp, name, cwd, u_udp, cert, key)
+    return servers
+
+
+def _start_meshgate(tmp: Path, name: str, cwd: Path, u_udp: int, cert: Path, key: Path) -> Server:
     m_udp, m_doh = free_port(), free_port()
-    cfg = tmp / "meshgate.toml"
+    tag = name.replace("@", "-").replace("/", "_")
+    cfg = tmp / f"{tag}.toml"
     cfg.write_text(f"""
 [node]
 name = "bench"
-state_dir = "{tmp / 'state'}"
+state_dir = "{tmp / ('state-' + tag)}"
 [socks5]
 enable = false
 [admin]
@@ -256,9 +281,9 @@ dns_max_inflight = 100000
 buffer_pool_size = 4096
 """)
     argv = [sys.executable, "-m", "meshgate", "run", "-c", str(cfg)]
-    peer = Peer("meshgate", argv, port=m_doh, cwd=str(ROOT)).start()
-    servers["meshgate"] = Server("meshgate", peer, m_udp, m_doh)
-    return servers
+    # `python -m` imports meshgate from the working directory: the checkout or the git REF's tree.
+    peer = Peer(name, argv, port=m_doh, cwd=str(cwd)).start()
+    return Server(name, peer, m_udp, m_doh)
 
 
 def _query_b64(name: str) -> str:
@@ -325,22 +350,26 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0, help="dnsperf run length per round")
     ap.add_argument("--requests", type=int, default=20000, help="h2load requests per round")
     ap.add_argument("--skip-load", action="store_true", help="only the in-process A/B")
+    ap.add_argument("--skip-alloc", action="store_true", help="only the load table")
+    ap.add_argument("--ab", metavar="REF", help="also run meshgate as of git REF (rows meshgate@REF)")
+    ap.add_argument("--rows", help="comma-separated substrings: keep only load rows containing one")
     args = ap.parse_args()
     runners: list[Runner] = []
 
-    alloc = Runner("dns-alloc (in-process DoH GET, five A records, cache hit)", rounds=args.rounds,
-                   baseline="unpooled")
-    chunks = _client_bytes(args.alloc_queries)
-    alloc.add("unpooled", lambda: alloc_variant(False, args.alloc_queries, chunks))
-    alloc.add("pooled", lambda: alloc_variant(True, args.alloc_queries, chunks))
-    alloc.run()
-    runners.append(alloc)
-    pack = Runner("dns-pack (in-process: parse + cache hit + pack, no HTTP)", rounds=args.rounds,
-                  baseline="unpooled")
-    pack.add("unpooled", lambda: pack_variant(False, args.alloc_queries * 5))
-    pack.add("pooled", lambda: pack_variant(True, args.alloc_queries * 5))
-    pack.run()
-    runners.append(pack)
+    if not args.skip_alloc:
+        alloc = Runner("dns-alloc (in-process DoH GET, five A records, cache hit)", rounds=args.rounds,
+                       baseline="unpooled")
+        chunks = _client_bytes(args.alloc_queries)
+        alloc.add("unpooled", lambda: alloc_variant(False, args.alloc_queries, chunks))
+        alloc.add("pooled", lambda: alloc_variant(True, args.alloc_queries, chunks))
+        alloc.run()
+        runners.append(alloc)
+        pack = Runner("dns-pack (in-process: parse + cache hit + pack, no HTTP)", rounds=args.rounds,
+                      baseline="unpooled")
+        pack.add("unpooled", lambda: pack_variant(False, args.alloc_queries * 5))
+        pack.add("pooled", lambda: pack_variant(True, args.alloc_queries * 5))
+        pack.run()
+        runners.append(pack)
 
     if not args.skip_load:
         for tool in ("dnsperf", "h2load", "unbound", "openssl"):
@@ -349,7 +378,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-dns-") as d:
             tmp = Path(d)
             wanted = {"meshgate", "unbound", "dnsdist"}
-            servers = start_servers(tmp, wanted)
+            servers = start_servers(tmp, wanted, args.ab)
             try:
                 runners.append(_load(args, tmp, servers))
             finally:
@@ -366,16 +395,24 @@ def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Ru
     q.id = 0
     body.write_bytes(q.to_wire())
     # Warm meshgate's cache (the first www.test goes to unbound).
-    dnsperf(servers["meshgate"], "udp", hit, 0.5, ["-c", "1", "-q", "1"])
+    for name, s in servers.items():
+        if name.startswith("meshgate"):
+            dnsperf(s, "udp", hit, 0.5, ["-c", "1", "-q", "1"])
     run = Runner("dns-load (loopback; hit = www.test from memory/cache)", rounds=args.rounds)
     sec, n = args.seconds, args.requests
+    rows = [r.strip() for r in args.rows.split(",")] if getattr(args, "rows", None) else None
+
+    def add(label: str, fn: Any) -> None:
+        if rows is None or any(r in label for r in rows):
+            run.add(label, fn)
+
     for name, s in servers.items():
         if not selected(args, name):
             continue
-        run.add(f"{name} udp dnsperf", lambda s=s: dnsperf(s, "udp", hit, sec, ["-c", "4", "-q", "200"]))
-        run.add(f"{name} doh GET h2load", lambda s=s: h2load(s, n, post=False))
-        run.add(f"{name} doh POST h2load", lambda s=s: h2load(s, n, post=True, body=body))
-        run.add(f"{name} doh dnsperf", lambda s=s: dnsperf(s, "doh", hit, sec, ["-c", "2", "-q", "50"]))
+        add(f"{name} udp dnsperf", lambda s=s: dnsperf(s, "udp", hit, sec, ["-c", "4", "-q", "200"]))
+        add(f"{name} doh GET h2load", lambda s=s: h2load(s, n, post=False))
+        add(f"{name} doh POST h2load", lambda s=s: h2load(s, n, post=True, body=body))
+        add(f"{name} doh dnsperf", lambda s=s: dnsperf(s, "doh", hit, sec, ["-c", "2", "-q", "50"]))
     mg = servers["meshgate"]
     if selected(args, "meshgate"):
 
@@ -393,8 +430,8 @@ def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Ru
                                     for i in range(n)))
             return h2load(mg, n, post=False, uris=uris)
 
-        run.add("meshgate udp MISS dnsperf", udp_miss)
-        run.add("meshgate doh GET MISS h2load", doh_miss)
+        add("meshgate udp MISS dnsperf", udp_miss)
+        add("meshgate doh GET MISS h2load", doh_miss)
     run.run()
     return run
 
