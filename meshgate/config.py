@@ -175,7 +175,7 @@ class LimitsConfig:
     socks5_udp_max_targets: int = 256
     mesh_udp_max_associations: int = 4096
     socks5_write_high_water: int = 1 << 20
-    stream_window: int = 262144
+    stream_window: int = 1048576  # 1 MiB: 256 KiB stalled 4-process pipelines on 2 cores (bench/portal.py)
     max_streams_per_peer: int = 4096
     max_peers: int = 256
     max_pending_handshakes: int = 64
