@@ -95,6 +95,10 @@ class _NullTransport:
         self.bytes += len(data)
         self.last = data
 
+    def writelines(self, chunks: list[bytes]) -> None:
+        for data in chunks:
+            self.write(data)
+
     def is_closing(self) -> bool:
         return False
 

@@ -362,6 +362,9 @@ class _FakeTransport:
     def write(self, data: bytes | memoryview) -> None:
         self.out.append(bytes(data))
 
+    def writelines(self, chunks: list[bytes]) -> None:
+        self.out.extend(bytes(c) for c in chunks)
+
     def is_closing(self) -> bool:
         return self.closed
 
