@@ -14,6 +14,12 @@ every new target, idle expiry.
 
 Wire (both channels): u32 association id | u16 port | u8 family (4|6) |
 address (4 or 16 bytes) | payload.
+
+Per datagram, both sides work on the wire head as bytes: the head for a
+target is built once (portal: per target address; egress: per reply
+address) and joined to the payload in one copy, and a received head is
+looked up as bytes, so no address object is parsed or formatted per
+datagram (bench/portal_udp.py measures it).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ UDP_CHANNEL = channels.SOCKS_UDP  # portal -> egress
 UDP_REPLY_CHANNEL = channels.SOCKS_UDP_REPLY  # egress -> portal
 
 _HEAD = struct.Struct("!IHB")
+_ASSOC = struct.Struct("!I")
+_ADDR_LEN = {4: 4, 6: 16}
 _DATAGRAMS = REGISTRY.counter(
     "meshgate_mesh_udp_datagrams_total", "SOCKS UDP datagrams carried over the mesh", ("event",)
 )
@@ -62,8 +70,20 @@ class UdpWireError(ValueError):
     pass
 
 
+def encode_head(assoc: int, ip: IPAddress, port: int) -> bytes:
+    return _HEAD.pack(assoc, port, ip.version) + ip.packed
+
+
 def encode(assoc: int, ip: IPAddress, port: int, payload: bytes | memoryview) -> bytes:
-    return _HEAD.pack(assoc, port, ip.version) + ip.packed + payload
+    return encode_head(assoc, ip, port) + payload
+
+
+def head_len(data: bytes) -> int:
+    """Length of the wire head of `data` (0 when it is malformed)."""
+    n = _ADDR_LEN.get(data[_HEAD.size - 1]) if len(data) >= _HEAD.size else None
+    if n is None or len(data) < _HEAD.size + n:
+        return 0
+    return _HEAD.size + n
 
 
 def decode(data: bytes | memoryview) -> tuple[int, IPAddress, int, memoryview]:
@@ -96,13 +116,20 @@ class PortalUdp:
         self.on_datagram = on_datagram
         self.pool = pool
         self.local = LocalUdpEgress(hub.loop, on_datagram, pool) if direct else None
+        # target sockaddr -> (address, wire head), and the head -> sockaddr for replies: built once
+        # per target, bounded like the NAT table in front of this (cleared when full, rebuilt on use)
+        self.heads: dict[tuple[str, int], tuple[IPAddress, bytes]] = {}
+        self.replies: dict[bytes, tuple[str, int]] = {}
         self.closed = False
         hub.portals[self.assoc] = self
 
     def sendto(self, data: bytes | memoryview, sockaddr: tuple[str, int], family: int) -> bool:
         if self.closed:
             return False
-        ip = ipaddress.ip_address(sockaddr[0])
+        cached = self.heads.get(sockaddr)
+        if cached is None:
+            cached = self._head(sockaddr)
+        ip, head = cached
         route = self.hub.mesh.lookup(ip)
         if route is None:
             in_vnet = any(ip.version == n.version and ip in n for n in self.hub.vnets)
@@ -110,13 +137,34 @@ class PortalUdp:
                 return self.local.sendto(data, sockaddr, family)
             _DROP_NO_ROUTE.inc()
             return False
-        wire = encode(self.assoc, ip, sockaddr[1], data)
-        ok: bool = self.hub.mesh.send_datagram(route.node_id, UDP_CHANNEL, wire)
+        ok: bool = self.hub.mesh.send_datagram(route.node_id, UDP_CHANNEL, head + data)
         if ok:
             _SENT.inc()
         return ok
 
-    def reply(self, ip: IPAddress, port: int, payload: memoryview) -> None:
+    def _head(self, sockaddr: tuple[str, int]) -> tuple[IPAddress, bytes]:
+        if len(self.heads) >= self.hub.max_targets:
+            self.heads.clear()
+            self.replies.clear()
+        ip = ipaddress.ip_address(sockaddr[0])
+        head = encode_head(self.assoc, ip, sockaddr[1])
+        self.heads[sockaddr] = (ip, head)
+        self.replies[head] = (sockaddr[0], sockaddr[1])
+        return ip, head
+
+    def reply_wire(self, data: bytes, n: int) -> None:
+        """A reply whose wire head is the first `n` bytes of `data`."""
+        addr = self.replies.get(data[:n])
+        if addr is None:  # not a head we sent (or the table was cleared since): parse it
+            _, ip, port, _ = decode(data)
+            addr = (str(ip), port)
+        view = memoryview(data)[n:]
+        try:
+            self.reply(addr, view)
+        finally:
+            view.release()
+
+    def reply(self, addr: tuple[str, int], payload: memoryview) -> None:
         buf = self.pool.get()
         try:
             buf.write(payload)
@@ -124,7 +172,7 @@ class PortalUdp:
             buf.recycle()
             _DROP_BAD.inc()
             return
-        self.on_datagram(buf, (str(ip), port))
+        self.on_datagram(buf, addr)
 
     def close(self) -> None:
         if not self.closed:
@@ -150,8 +198,10 @@ class _EgressAssoc:
 
     def __init__(self, now: float) -> None:
         self.socks: list[LocalUdpEgress] = []
-        self.by_real: list[dict[tuple[str, int], tuple[IPAddress, int]]] = []  # per slot
-        self.asked: dict[tuple[IPAddress, int], tuple[int, tuple[str, int]]] = {}  # -> (slot, real)
+        # per slot: real source -> the reply's wire head (the address the portal asked for)
+        self.by_real: list[dict[tuple[str, int], bytes]] = []
+        # the request's wire head after the association id (port, family, address) -> (slot, real, family)
+        self.asked: dict[bytes, tuple[int, tuple[str, int], int]] = {}
         self.last = now
 
     def close(self) -> None:
@@ -191,12 +241,12 @@ class UdpHub:
 
     # portal -> egress
     def _from_portal(self, src: int, data: bytes) -> None:
-        try:
-            assoc_id, ip, port, payload = decode(data)
-        except UdpWireError as e:
+        n = head_len(data)
+        if not n:
             _DROP_BAD.inc()
-            _rlog.debug("udp-wire", "mesh UDP from %08x: %s", src, e)
+            _rlog.debug("udp-wire", "mesh UDP from %08x: malformed head", src)
             return
+        assoc_id = _ASSOC.unpack_from(data)[0]
         now = self.loop.time()
         key = (src, assoc_id)
         entry = self.egress.get(key)
@@ -207,16 +257,22 @@ class UdpHub:
                 return
             entry = self.egress[key] = _EgressAssoc(now)
         entry.last = now
-        target = entry.asked.get((ip, port)) or self._new_target(key, entry, ip, port)
+        asked = data[_ASSOC.size : n]
+        target = entry.asked.get(asked) or self._new_target(key, entry, asked, data)
         if target is None:
             return
-        slot, real = target
-        if entry.socks[slot].sendto(payload, real, 6 if ":" in real[0] else 4):
-            _RECEIVED.inc()
+        slot, real, family = target
+        payload = memoryview(data)[n:]
+        try:
+            if entry.socks[slot].sendto(payload, real, family):
+                _RECEIVED.inc()
+        finally:
+            payload.release()
 
     def _new_target(
-        self, key: tuple[int, int], entry: _EgressAssoc, ip: IPAddress, port: int
-    ) -> tuple[int, tuple[str, int]] | None:
+        self, key: tuple[int, int], entry: _EgressAssoc, asked: bytes, data: bytes
+    ) -> tuple[int, tuple[str, int], int] | None:
+        _, ip, port, _ = decode(data)  # head_len() checked the head
         if ip in self.rules.own_ips:
             real_ip: IPAddress = ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1")
         else:
@@ -234,9 +290,9 @@ class UdpHub:
         if slot == len(entry.socks):
             entry.socks.append(LocalUdpEgress(self.loop, self._replier(key, slot), self.pool))
             entry.by_real.append({})
-        entry.by_real[slot][real] = (ip, port)
-        entry.asked[(ip, port)] = (slot, real)
-        return slot, real
+        entry.by_real[slot][real] = encode_head(key[1], ip, port)
+        target = entry.asked[asked] = (slot, real, real_ip.version)
+        return target
 
     def _replier(self, key: tuple[int, int], slot: int) -> OnDatagram:
         return lambda buf, addr: self._reply(key, slot, buf, addr)
@@ -244,8 +300,8 @@ class UdpHub:
     # egress: a reply from a target
     def _reply(self, key: tuple[int, int], slot: int, buf: Buffer, addr: tuple[str, int]) -> None:
         entry = self.egress.get(key)
-        asked = entry.by_real[slot].get((addr[0], addr[1])) if entry is not None else None
-        if asked is None:
+        head = entry.by_real[slot].get(addr) if entry is not None else None
+        if head is None:
             buf.recycle()
             _DROP_UNKNOWN.inc()
             return
@@ -253,23 +309,22 @@ class UdpHub:
         entry.last = self.loop.time()
         view = buf.view()
         try:
-            self.mesh.send_datagram(key[0], UDP_REPLY_CHANNEL, encode(key[1], asked[0], asked[1], view))
+            self.mesh.send_datagram(key[0], UDP_REPLY_CHANNEL, head + view)
         finally:
             view.release()
-            buf.recycle()  # encode() copied the payload
+            buf.recycle()  # the join copied the payload
 
     # egress -> portal
     def _from_egress(self, src: int, data: bytes) -> None:
-        try:
-            assoc_id, ip, port, payload = decode(data)
-        except UdpWireError:
+        n = head_len(data)
+        if not n:
             _DROP_BAD.inc()
             return
-        portal = self.portals.get(assoc_id)
+        portal = self.portals.get(_ASSOC.unpack_from(data)[0])
         if portal is None:
             _DROP_UNKNOWN.inc()
             return
-        portal.reply(ip, port, payload)
+        portal.reply_wire(data, n)
 
     def _expire(self) -> None:
         now = self.loop.time()
