@@ -19,7 +19,8 @@ Two tables (bench/common.py runner: alternating rounds, medians):
    (one process, uvloop), unbound (one thread) and dnsdist, all answering
    `www.test A` from memory (meshgate: its cache, filled from unbound as the
    loopback upstream). Cache misses: meshgate with a fresh name per query
-   (UDP and DoH GET), each resolved through unbound on loopback.
+   (UDP and DoH GET), each resolved through unbound on loopback (`--upstream tcp`:
+   over meshgate's pooled, pipelined TCP upstream connections instead of UDP).
 
 Nothing leaves 127.0.0.1: peers answer `*.test` locally; load is bounded in
 count and time.
@@ -234,7 +235,8 @@ class Server:
         self.name, self.peer, self.udp, self.doh = name, peer, udp, doh
 
 
-def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None) -> dict[str, Server]:
+def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None,
+                  upstream_scheme: str = "udp") -> dict[str, Server]:
     cert, key = _cert(tmp)
     servers: dict[str, Server] = {}
     # unbound is also meshgate's loopback upstream, so it always runs.
@@ -253,11 +255,12 @@ def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None) -> dic
     if ab_ref:
         trees.append((f"meshgate@{ab_ref}", git_tree(ab_ref, str(tmp))))
     for name, cwd in trees:
-        servers[name] = _start_meshgate(tmp, name, cwd, u_udp, cert, key)
+        # unbound answers TCP on its UDP port too: tcp:// is a pooled, pipelined upstream.
+        servers[name] = _start_meshgate(tmp, name, cwd, f"{upstream_scheme}://127.0.0.1:{u_udp}", cert, key)
     return servers
 
 
-def _start_meshgate(tmp: Path, name: str, cwd: Path, u_udp: int, cert: Path, key: Path) -> Server:
+def _start_meshgate(tmp: Path, name: str, cwd: Path, upstream: str, cert: Path, key: Path) -> Server:
     m_udp, m_doh = free_port(), free_port()
     tag = name.replace("@", "-").replace("/", "_")
     cfg = tmp / f"{tag}.toml"
@@ -270,7 +273,7 @@ enable = false
 [admin]
 enable = false
 [dns]
-upstreams = ["udp://127.0.0.1:{u_udp}"]
+upstreams = ["{upstream}"]
 cache_size = 1000000
 [[dns.listener]]
 protocol = "udp"
@@ -357,6 +360,8 @@ def main() -> None:
     ap.add_argument("--skip-alloc", action="store_true", help="only the load table")
     ap.add_argument("--ab", metavar="REF", help="also run meshgate as of git REF (rows meshgate@REF)")
     ap.add_argument("--rows", help="comma-separated substrings: keep only load rows containing one")
+    ap.add_argument("--upstream", choices=["udp", "tcp"], default="udp",
+                    help="meshgate's loopback upstream (unbound) for the MISS rows")
     args = ap.parse_args()
     runners: list[Runner] = []
 
@@ -382,7 +387,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-dns-") as d:
             tmp = Path(d)
             wanted = {"meshgate", "unbound", "dnsdist"}
-            servers = start_servers(tmp, wanted, args.ab)
+            servers = start_servers(tmp, wanted, args.ab, args.upstream)
             try:
                 runners.append(_load(args, tmp, servers))
             finally:
@@ -417,16 +422,18 @@ def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Ru
         add(f"{name} doh GET h2load", lambda s=s: h2load(s, n, post=False))
         add(f"{name} doh POST h2load", lambda s=s: h2load(s, n, post=True, body=body))
         add(f"{name} doh dnsperf", lambda s=s: dnsperf(s, "doh", hit, sec, ["-c", "2", "-q", "50"]))
-    mg = servers["meshgate"]
-    if selected(args, "meshgate"):
+    up = args.upstream
+    for name, mg in servers.items():
+        if not name.startswith("meshgate") or not selected(args, name):
+            continue
 
-        def udp_miss() -> Metrics:
+        def udp_miss(mg: Server = mg) -> Metrics:
             data = tmp / "miss.txt"
             tag = secrets.token_hex(4)
             data.write_text("".join(f"m{i}-{tag}.test A\n" for i in range(200000)))
             return dnsperf(mg, "udp", data, args.seconds, ["-c", "4", "-q", "200", "-n", "1"])
 
-        def doh_miss() -> Metrics:
+        def doh_miss(mg: Server = mg) -> Metrics:
             uris = tmp / "miss-uris.txt"
             tag = secrets.token_hex(4)
             n = args.requests // 4
@@ -434,8 +441,8 @@ def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Ru
                                     for i in range(n)))
             return h2load(mg, n, post=False, uris=uris)
 
-        add("meshgate udp MISS dnsperf", udp_miss)
-        add("meshgate doh GET MISS h2load", doh_miss)
+        add(f"{name} udp MISS via {up} dnsperf", udp_miss)
+        add(f"{name} doh GET MISS via {up} h2load", doh_miss)
     run.run()
     return run
 
