@@ -75,7 +75,12 @@ class UpstreamError(Exception):
 
 
 class ConnectionClosed(UpstreamError):
-    """The connection went away with the query unanswered (it may be retried elsewhere)."""
+    """The connection went away with the query unanswered. `reused`: the connection existed
+    before the query (the upstream may have closed it as idle), so one retry is worth it."""
+
+    def __init__(self, message: str, reused: bool = False) -> None:
+        super().__init__(message)
+        self.reused = reused
 
 
 def pad_query(wire: bytes, block: int = QUERY_PAD_BLOCK) -> bytes:
@@ -380,7 +385,7 @@ class ConnectionPool:
             try:
                 return await self._once(wire)
             except ConnectionClosed as e:
-                if not e.args or e.args[-1] != "reused":
+                if not e.reused:
                     raise
             # The reused connection closed under us (e.g. the upstream's idle timeout):
             # once more on a fresh one, within the same deadline.
@@ -404,7 +409,7 @@ class ConnectionPool:
             key, fut = conn.send(wire)
             return await fut
         except ConnectionClosed as e:
-            raise ConnectionClosed(str(e), "reused" if reused else "fresh") from None
+            raise ConnectionClosed(str(e), reused) from None
         except (TimeoutError, asyncio.CancelledError):
             if conn is not None and key >= 0:
                 conn.forget(key)
