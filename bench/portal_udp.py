@@ -23,7 +23,8 @@ traced one that runs `--alloc-count` round trips for the allocation rows:
 * `held B/rt`, `held blocks/rt`: traced heap after the run minus before it
   (both after gc.collect()), per round trip: what the run left behind;
 * `peak KiB`: traced peak during the run above the heap before it: what the
-  datagrams in flight need at once.
+  datagrams in flight need at once;
+* `gc/M rt` (untraced line): garbage collections (all generations) per million round trips.
 
 tracemalloc sees live blocks only, so these are not a count of every short-lived
 allocation (Python has no cumulative allocation counter); the cost of those
@@ -60,27 +61,30 @@ from bench.portal import ROOT, VIPS, MeshgateLine
 SIZE_CYCLE = 1000  # payload sizes repeat with this period (80/10/10 exactly per cycle)
 SEQ = struct.Struct("!Q")
 
-# A node with tracemalloc: `python -c _NODE CONF CTL_PORT` with cwd = the tree to run
-# (`-c` puts the cwd first on sys.path, so an extracted --ab REF shadows the checkout).
+# A meshgate node: `python -c _NODE CONF CTL_PORT TRACED` with cwd = the tree to run (`-c` puts
+# the cwd first on sys.path, so an extracted --ab REF shadows the checkout). A connection to
+# CTL_PORT gets the gc collections so far and, when TRACED, the traced heap after gc.collect().
 _NODE = r"""
 import gc, json, socket, sys, threading, tracemalloc
-conf, ctl = sys.argv[1], int(sys.argv[2])
-if ctl:
+conf, ctl, traced = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+if traced:
     tracemalloc.start()
-    def serve():
-        srv = socket.create_server(("127.0.0.1", ctl))
-        while True:
-            c, _ = srv.accept()
-            with c:
-                c.recv(16)
+def serve():
+    srv = socket.create_server(("127.0.0.1", ctl))
+    while True:
+        c, _ = srv.accept()
+        with c:
+            c.recv(16)
+            out = {"gc": sum(s["collections"] for s in gc.get_stats())}
+            if traced:
                 gc.collect()
                 _, peak = tracemalloc.get_traced_memory()
                 stats = tracemalloc.take_snapshot().statistics("filename")
-                out = {"bytes": sum(s.size for s in stats), "blocks": sum(s.count for s in stats),
-                       "peak": peak}
+                out |= {"bytes": sum(s.size for s in stats), "blocks": sum(s.count for s in stats),
+                        "peak": peak}
                 tracemalloc.reset_peak()
-                c.sendall(json.dumps(out).encode())
-    threading.Thread(target=serve, daemon=True).start()
+            c.sendall(json.dumps(out).encode())
+threading.Thread(target=serve, daemon=True).start()
 from meshgate.cli import main
 sys.exit(main(["run", "-c", conf, "--loop", "uvloop"]))
 """
@@ -103,12 +107,13 @@ class UdpLine(MeshgateLine):
 
     def __init__(self, name: str, workdir: str, tree: Path, traced: bool) -> None:
         super().__init__(name, workdir, tree)
-        self.ctl = {n: free_port() for n in "ab"} if traced else {}
+        self.traced = traced
+        self.ctl = {n: free_port() for n in "ab"}
 
     def node_peer(self, node: str) -> Peer:
         peer = super().node_peer(node)
         conf = str(self.workdir / f"{node}.toml")
-        peer.argv = [sys.executable, "-c", _NODE, conf, str(self.ctl.get(node, 0))]
+        peer.argv = [sys.executable, "-c", _NODE, conf, str(self.ctl[node]), "1" if self.traced else "0"]
         return peer
 
     def start_udp(self, echo_port: int) -> UdpLine:
@@ -126,6 +131,7 @@ class UdpLine(MeshgateLine):
         return self
 
     def heap(self) -> dict[str, dict[str, float]]:
+        """Per node: gc collections so far and, on a traced line, the traced heap."""
         out = {}
         for node, port in self.ctl.items():
             with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
@@ -305,14 +311,15 @@ def udp_round(plain: UdpLine, traced: UdpLine | None, echo_port: int, args: argp
     target = (VIPS["b"], echo_port)
     for flows in args.flow_list:
         tag = f"{flows}f"
-        cpu0 = plain.cpu()
+        cpu0, gc0 = plain.cpu(), plain.heap()
         m = run_flows(plain.socks, target, args.udp_count, flows, args.window, args.stall)
-        cpu1 = plain.cpu()
+        cpu1, gc1 = plain.cpu(), plain.heap()
         out[f"{tag} rt/s"] = m["rt/s"]
         out[f"{tag} lost"] = m["lost"]
         out[f"{tag} late+bad"] = m["late"] + m["bad"]
         for n in "ab":
             out[f"{tag} {n.upper()} cpu s/M rt"] = (cpu1[n] - cpu0[n]) / max(m["ok"], 1) * 1e6
+            out[f"{tag} {n.upper()} gc/M rt"] = (gc1[n]["gc"] - gc0[n]["gc"]) / max(m["ok"], 1) * 1e6
         if traced is None:
             continue
         h0 = traced.heap()

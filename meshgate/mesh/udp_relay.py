@@ -74,10 +74,6 @@ def encode_head(assoc: int, ip: IPAddress, port: int) -> bytes:
     return _HEAD.pack(assoc, port, ip.version) + ip.packed
 
 
-def encode(assoc: int, ip: IPAddress, port: int, payload: bytes | memoryview) -> bytes:
-    return encode_head(assoc, ip, port) + payload
-
-
 def head_len(data: bytes) -> int:
     """Length of the wire head of `data` (0 when it is malformed)."""
     n = _ADDR_LEN.get(data[_HEAD.size - 1]) if len(data) >= _HEAD.size else None
