@@ -18,6 +18,7 @@ Ctrl-C (or SIGTERM) stops every process and removes what was created.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -160,7 +161,7 @@ class Demo:
 
     # ------------------------------------------------------------------ readiness
     def wait_ready(self, timeout: float = 60.0) -> bool:
-        """Ready when the portal's admin API lists the exit as a reachable route."""
+        """Ready when the portal's admin API lists the exit (and the lan it proxies) as reachable."""
         deadline = time.monotonic() + timeout
         url = f"http://127.0.0.1:{self.ports.admin}/routes"
         while time.monotonic() < deadline:
@@ -171,10 +172,12 @@ class Demo:
                     return False
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    if b'"exit"' in r.read():
-                        return True
-            except OSError:
-                pass
+                    routes = json.loads(r.read())
+            except (OSError, ValueError):
+                routes = []
+            # the exit's record carries both its exit offer and the mapped lan
+            if any(rt.get("name") == "exit" and "10.2.2.0/24" in rt.get("proxy_cidrs", []) for rt in routes):
+                return True
             time.sleep(0.2)
         return False
 
