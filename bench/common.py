@@ -56,6 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# ../shared/peers beside the checkout (how to run each peer); MESHGATE_PEERS points elsewhere.
+PEERS = Path(os.environ.get("MESHGATE_PEERS", Path(__file__).resolve().parents[2] / "shared" / "peers"))
+
 Metrics = dict[str, float]
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -60,6 +60,7 @@ import h2.config  # noqa: E402
 import h2.connection  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    PEERS,
     Metrics,
     Peer,
     Runner,
@@ -79,7 +80,6 @@ from meshgate.dns.stats import ListenerStats  # noqa: E402
 from meshgate.metrics import REGISTRY  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = Path("/work/shared/peers")
 HIT_NAME = "www.test"
 
 # --------------------------------------------------------------------------- 1. in-process allocation A/B

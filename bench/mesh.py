@@ -50,6 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (
+    PEERS,
     Metrics,
     Runner,
     add_args,
@@ -458,7 +459,6 @@ def convergence_time(n: int) -> Metrics:
 
 # --------------------------------------------------------------------------- SOCKS5 portal vs EasyTier
 
-PEERS = Path(os.environ.get("MESHGATE_PEERS", "/work/shared/peers"))
 
 
 def loopback_only() -> bool:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import shutil
 import signal
 import sys
@@ -58,6 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (
+    PEERS,
     Metrics,
     Peer,
     Runner,
@@ -78,7 +78,6 @@ from bench.common import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = Path(os.environ.get("MESHGATE_PEERS", "/work/shared/peers"))
 MIB = 1 << 20
 GIB = 1 << 30
 VIPS = {"a": "10.144.144.1", "b": "10.144.144.2", "c": "10.144.144.3"}

@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (
+    PEERS,
     Metrics,
     Peer,
     Runner,
@@ -46,7 +47,6 @@ from bench.common import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = Path(os.environ.get("MESHGATE_PEERS", "/work/shared/peers"))
 MIB = 1 << 20
 GIB = 1 << 30
 
