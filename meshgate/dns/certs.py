@@ -85,3 +85,15 @@ def server_context(cert: Path, key: Path, alpn: list[str]) -> ssl.SSLContext:
     ctx.load_cert_chain(cert, key)
     ctx.set_alpn_protocols(alpn)
     return ctx
+
+
+def client_context(verify: bool | str, alpn: list[str]) -> ssl.SSLContext:
+    """TLS client context for DoT and friends: system CAs, a CA file, or (False) no verification."""
+    ctx = ssl.create_default_context()
+    if verify is False:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    elif isinstance(verify, str):
+        ctx.load_verify_locations(verify)
+    ctx.set_alpn_protocols(alpn)
+    return ctx

@@ -18,7 +18,8 @@ import dns.query
 import dns.rcode
 import dns.rdatatype
 
-from meshgate.dns.upstream import _split_host_port
+from meshgate.dns.certs import client_context
+from meshgate.dns.upstream import split_host_port
 
 DEFAULT_SERVER = "udp://127.0.0.1:5353"
 
@@ -39,19 +40,13 @@ def exchange(q: dns.message.Message, server: str, timeout: float, verify: bool |
     hostport, _, sni = rest.partition("#")
     hostport = hostport.split("/")[0]
     default_port = 853 if scheme in ("tls", "quic") else 53
-    host, port = _split_host_port(hostport, default_port)
+    host, port = split_host_port(hostport, default_port)
     if scheme == "udp":
         return dns.query.udp_with_fallback(q, host, timeout=timeout, port=port)[0]
     if scheme == "tcp":
         return dns.query.tcp(q, host, timeout=timeout, port=port)
     if scheme == "tls":
-        ctx = ssl.create_default_context()
-        if verify is False:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        elif isinstance(verify, str):
-            ctx.load_verify_locations(verify)
-        ctx.set_alpn_protocols(["dot"])
+        ctx = client_context(verify, ["dot"])
         return dns.query.tls(q, host, timeout=timeout, port=port, ssl_context=ctx,
                              server_hostname=sni or host)
     if scheme == "quic":

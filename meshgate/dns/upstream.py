@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from meshgate.config import LimitsConfig
+from meshgate.config import LimitsConfig, parse_host_port
+from meshgate.dns.certs import client_context
 from meshgate.dns.upstream_pool import (
     ConnectionPool,
     DoqConnection,
@@ -39,14 +40,10 @@ __all__ = ["HttpsUpstream", "QuicUpstream", "TcpUpstream", "UdpUpstream", "Upstr
 DOH_CONTENT_TYPE = b"application/dns-message"
 
 
-def _split_host_port(text: str, default_port: int) -> tuple[str, int]:
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        return host, int(rest[1:]) if rest.startswith(":") else default_port
-    if text.count(":") == 1:
-        host, port = text.split(":")
-        return host, int(port)
-    return text, default_port
+def split_host_port(text: str, default_port: int) -> tuple[str, int]:
+    """`host`, `host:port`, `[v6]:port` (config's parser, so a bad port is a ValueError naming it)."""
+    hp = parse_host_port(text, default_port)
+    return hp.host, hp.port
 
 
 class Upstream:
@@ -281,23 +278,17 @@ def parse_upstream(url: str, verify: bool | str = True, limits: LimitsConfig | N
     rest, _, sni = rest.partition("#")
     rest = rest.rstrip("/")
     if scheme == "udp":
-        host, port = _split_host_port(rest, 53)
+        host, port = split_host_port(rest, 53)
         return UdpUpstream(url, host, port, limits)
     if scheme == "tcp":
-        host, port = _split_host_port(rest, 53)
+        host, port = split_host_port(rest, 53)
         return TcpUpstream(url, host, port, None, None, limits)
     if scheme == "tls":
-        host, port = _split_host_port(rest, 853)
-        ctx = ssl.create_default_context()
-        if verify is False:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        elif isinstance(verify, str):
-            ctx.load_verify_locations(verify)
-        ctx.set_alpn_protocols(["dot"])
+        host, port = split_host_port(rest, 853)
+        ctx = client_context(verify, ["dot"])
         return TcpUpstream(url, host, port, ctx, sni or host, limits)
     if scheme == "quic":
-        host, port = _split_host_port(rest, 853)
+        host, port = split_host_port(rest, 853)
         return QuicUpstream(url, host, port, verify, sni or None, limits)
     raise ValueError(f"unsupported upstream scheme {scheme!r}")
 
