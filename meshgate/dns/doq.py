@@ -283,8 +283,8 @@ class DoqProtocol(QuicConnectionProtocol):
         try:
             self._quic.reset_stream(sid, code)
             self._quic.stop_stream(sid, code)
-        except Exception:
-            pass
+        except Exception:  # aioquic refuses a reset on a stream already finished both ways
+            self.stats.error("reset")
 
     def _arm_deadline(self) -> None:
         if self.deadline_timer is None and self.streams:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from meshgate.config import from_dict
 from meshgate.mesh import tun_routes as tr
+from tests.helpers import require_root, require_tool
 
 
 class Recorder:
@@ -104,8 +104,8 @@ def test_egress_ruleset_exit_follows_policy_order() -> None:
 
 @pytest.mark.parametrize("mesh", [{"exit_node": True}, {"proxy_cidrs": ["10.1.2.0/24->10.2.2.0/24"]}])
 def test_egress_ruleset_is_valid_nft(mesh: dict[str, object]) -> None:
-    if os.geteuid() != 0 or shutil.which("nft") is None:
-        pytest.skip("nft -c needs root and nftables")
+    require_root()  # nft -c needs root; both fail (not skip) under MESHGATE_REQUIRE_E2E=1
+    require_tool("nft")
     text = tr.egress_ruleset("mg0", cfg(**mesh))  # type: ignore[arg-type]
     r = subprocess.run(["nft", "-c", "-f", "-"], input=text.encode(), capture_output=True)
     assert r.returncode == 0, r.stderr.decode() + text
