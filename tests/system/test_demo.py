@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,8 +114,5 @@ def test_stop_leaves_nothing_behind(demo: dict[str, object]) -> None:
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 0
     prefix = str(demo["prefix"])
-    deadline = time.monotonic() + 10
-    while _leftovers(prefix) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _leftovers(prefix) == []
+    wait_until(lambda: not _leftovers(prefix), 10, f"nothing left of {prefix}: {_leftovers(prefix)}")
     assert "stopped and cleaned up" in Path(str(demo["out"])).read_text()
