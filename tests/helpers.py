@@ -25,22 +25,36 @@ SHARED = Path(os.environ.get("MESHGATE_SHARED", Path(__file__).resolve().parents
 VECTORS = Path(os.environ.get("MESHGATE_VECTORS", SHARED / "vectors"))
 
 
+def require(ok: bool, what: str) -> None:
+    """Skip when the machine lacks `what`; under MESHGATE_REQUIRE_E2E=1 (CI) fail instead,
+    so a gap in the environment never passes for a green run."""
+    if not ok:
+        if REQUIRE_E2E:
+            pytest.fail(f"required by this test: {what}")
+        pytest.skip(f"missing: {what}")
+
+
 def require_tool(name: str) -> str:
     """Path of an external tool; skip (or fail under MESHGATE_REQUIRE_E2E=1) if missing."""
     path = shutil.which(name)
-    if path is None:
-        msg = f"{name} is not installed (make test installs it when run as root)"
-        if REQUIRE_E2E:
-            pytest.fail(msg)
-        pytest.skip(msg)
+    require(path is not None, f"{name} (make test installs it when run as root)")
+    assert path is not None
     return path
 
 
 def require_root() -> None:
-    if os.geteuid() != 0:
-        if REQUIRE_E2E:
-            pytest.fail("this test needs root (network namespaces)")
-        pytest.skip("needs root (network namespaces)")
+    require(os.geteuid() == 0, "root (network namespaces)")
+
+
+def can_bind(host: str) -> bool:
+    """Whether a loopback address (::1, 127.0.0.2, ...) is usable on this host."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(fam, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+        return True
+    except OSError:
+        return False
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

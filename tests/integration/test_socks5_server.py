@@ -21,7 +21,7 @@ from meshgate.gateway.server import ClientProtocol
 from meshgate.gateway.service import Socks5Service
 from meshgate.metrics import REGISTRY
 from meshgate.node import Node
-from tests.helpers import async_wait_until, open_fds
+from tests.helpers import async_wait_until, can_bind, open_fds, require
 
 # pytest-asyncio 1.x prefers a conftest hook for loop factories; a module-local
 # policy fixture keeps this choice inside this file.
@@ -176,8 +176,8 @@ async def test_connect_ipv4_with_python_socks_and_bnd_address() -> None:
         w.close()
 
 
-@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback on this host")
 async def test_connect_ipv6_loopback() -> None:
+    require(can_bind("::1"), "IPv6 loopback (::1)")
     async with portal() as p, echo_server("::1") as (eport, peers):
         sock = await Proxy.from_url(p.url).connect("::1", eport, timeout=10)
         r, w = await asyncio.open_connection(sock=sock)
@@ -188,11 +188,11 @@ async def test_connect_ipv6_loopback() -> None:
 
 
 async def test_connect_domain_resolved_by_the_portal() -> None:
-    async with portal() as p, echo_server() as (eport, _):
+    # The echo server listens where localhost resolves first here, so the test
+    # holds whichever family the resolver prefers.
+    first = socket.getaddrinfo("localhost", 0, type=socket.SOCK_STREAM)[0][4][0]
+    async with portal() as p, echo_server(first) as (eport, _):
         # rdns: python-socks sends the name (ATYP 3), the portal resolves it.
-        fam = socket.getaddrinfo("localhost", eport, type=socket.SOCK_STREAM)[0]
-        if fam[0] != socket.AF_INET:
-            pytest.skip("localhost resolves to IPv6 first here; the echo server is IPv4")
         sock = await Proxy.from_url(p.url, rdns=True).connect("localhost", eport, timeout=10)
         r, w = await asyncio.open_connection(sock=sock)
         w.write(b"name")
@@ -291,10 +291,8 @@ async def test_name_with_a_silent_first_address_still_connects_happy_eyeballs() 
         silent = socket.socket()
         held: list[socket.socket] = []
         try:
-            try:
-                silent.bind(("127.0.0.2", eport))
-            except OSError:
-                pytest.skip("127.0.0.2 is not usable here")
+            require(can_bind("127.0.0.2"), "loopback address 127.0.0.2")
+            silent.bind(("127.0.0.2", eport))
             silent.listen(0)
             filler = socket.socket()  # fills the one-slot accept queue; later SYNs are dropped
             filler.connect(("127.0.0.2", eport))
@@ -661,10 +659,10 @@ async def test_udp_associate_exchange_frag_precedence_and_close() -> None:
         other.close()
 
 
-@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback on this host")
 async def test_udp_associate_over_ipv6_portal_to_ipv4_target() -> None:
     """A portal on ::1: the relay socket is IPv6, the client's source is pinned
     as the IPv6 peer, and an IPv4 target is reached through the IPv4 egress."""
+    require(can_bind("::1"), "IPv6 loopback (::1)")
     echo = UdpEcho("127.0.0.1")
     client = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
     client.bind(("::1", 0))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import require_root, require_tool
+from tests.helpers import require_root, require_tool, wait_until
 from tests.system.tun_topology import SECRET, Topology
 
 PORT = 8080
@@ -80,13 +80,14 @@ def start_a(t: Topology, exit_nodes: str) -> None:
 
 
 def wait_route(t: Topology, role: str, vip: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def routed() -> bool:
         r = t.nsexec(role, "curl", "-s", "--max-time", "2", "http://127.0.0.1:15888/routes")
-        if f'"{vip}"' in r.stdout:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{role} has no route to {vip}: {t.log(role)}")
+        return f'"{vip}"' in r.stdout  # the node's ipv4 field: its record has arrived
+
+    try:
+        wait_until(routed, timeout, f"{role} to route to {vip}")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {t.log(role)}") from None
 
 
 def curl(t: Topology, url: str, role: str = "a") -> subprocess.CompletedProcess[str]:
