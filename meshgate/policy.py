@@ -32,6 +32,18 @@ BUILTIN_DENY: tuple[IPNetwork, ...] = tuple(
 )
 
 
+def parse_ip(text: str) -> IPAddress | None:
+    """The address `text` names, or None for a host name."""
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def in_any(addr: IPAddress, nets: Iterable[IPNetwork]) -> bool:
+    return any(addr.version == n.version and addr in n for n in nets)
+
+
 class EgressPolicy:
     def __init__(self, cfg: ExitConfig, own_cidrs: Iterable[ProxyCidr] = ()) -> None:
         self.allow = cfg.allow
@@ -44,14 +56,12 @@ class EgressPolicy:
         """None if `addr` may be reached; otherwise the reason it may not."""
         if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
             addr = addr.ipv4_mapped  # judge ::ffff:a.b.c.d as a.b.c.d
-        if any(addr in n for n in self.deny if n.version == addr.version):
+        if in_any(addr, self.deny):
             return f"{addr} is in exit.deny"
-        if any(addr in n for n in self.own if n.version == addr.version):
+        if in_any(addr, self.own):
             return None
-        if not self.allow_private and any(
-            addr in n for n in BUILTIN_DENY if n.version == addr.version
-        ):
+        if not self.allow_private and in_any(addr, BUILTIN_DENY):
             return f"{addr} is a loopback/private/special address (set exit.allow_private to permit)"
-        if not any(addr in n for n in self.allow if n.version == addr.version):
+        if not in_any(addr, self.allow):
             return f"{addr} is not in exit.allow"
         return None

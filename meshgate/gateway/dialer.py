@@ -28,6 +28,7 @@ from typing import Any
 from meshgate.buffers import Buffer, BufferPool
 from meshgate.gateway import socks5
 from meshgate.metrics import REGISTRY
+from meshgate.policy import parse_ip
 
 log = logging.getLogger("meshgate.gateway.dialer")
 
@@ -84,13 +85,6 @@ def _is_ip_literal(host: str) -> bool:
     return False
 
 
-def _ip(host: str) -> IPAddress | None:
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
-
-
 class Dialer:
     """Local egress: resolve (through the node's DNS pipeline if there is one) and connect.
 
@@ -121,7 +115,7 @@ class Dialer:
 
     async def resolve(self, host: str, port: int) -> list[IPAddress]:
         """Addresses for `host` in the order to try them; DialError(0x04) if none."""
-        ip = _ip(host)
+        ip = parse_ip(host)
         if ip is not None:
             return [ip]
         resolve_host = getattr(self.resolver, "resolve_host", None)

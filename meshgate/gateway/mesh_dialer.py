@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any, cast
 from meshgate.buffers import BufferPool
 from meshgate.gateway import socks5
 from meshgate.gateway.dialer import Dialer, DialError, OnDatagram
-from meshgate.mesh.exit import connector
+from meshgate.mesh.exit import ExitRules, connector
 from meshgate.mesh.routing import Route
 from meshgate.mesh.streams import StreamError
 from meshgate.metrics import REGISTRY
-from meshgate.policy import IPAddress
+from meshgate.policy import IPAddress, in_any
 
 if TYPE_CHECKING:
     from meshgate.mesh.udp_relay import PortalUdp
@@ -53,11 +53,7 @@ class MeshDialer(Dialer):
         self.records = {name.rstrip("."): ipaddress.ip_address(a) for name, a in cfg.dns.records}
         self.direct_fallback = cfg.mesh.direct_fallback
         self.egress = connector(node, kw.get("connect_timeout"))
-        self.own_vips = {str(i.ip) for i in (cfg.node.ipv4, cfg.node.ipv6) if i is not None}
-        # The mesh's own virtual subnets never fall back to a direct connect: an
-        # address there with no route (unassigned, or not yet converged) would
-        # otherwise leave by the host's default route.
-        self.vnets = tuple(i.network for i in (cfg.node.ipv4, cfg.node.ipv6) if i is not None)
+        self.rules = ExitRules(cfg)
 
     @classmethod
     def for_node(cls, node: Any) -> MeshDialer:
@@ -121,8 +117,7 @@ class MeshDialer(Dialer):
         else:
             route = self.route_name()
         if route is None:
-            in_vnet = ip is not None and any(ip.version == n.version and ip in n for n in self.vnets)
-            if self.direct_fallback and not in_vnet:
+            if self.direct_fallback and not (ip is not None and in_any(ip, self.rules.vnets)):
                 _routed.labels("direct").inc()
                 return await super()._connect(host, port, protocol_factory)
             _routed.labels("unreachable").inc()
@@ -136,7 +131,7 @@ class MeshDialer(Dialer):
             else:
                 _routed.labels(route.kind).inc()
                 transport, protocol = await self.mesh.open_stream(route.node_id, host, port, protocol_factory)
-                bound = (next(iter(self.own_vips), "0.0.0.0"), 0)
+                bound = (str(next(iter(self.rules.own_ips), "0.0.0.0")), 0)
         except StreamError as e:
             raise DialError(e.code, f"{host}:{port} via {route.name or route.node_id}: {e}") from None
         # uvloop's transports are not asyncio.Transport subclasses: cast, don't assert

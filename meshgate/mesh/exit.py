@@ -17,15 +17,15 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import socket
 from typing import Any
 
-from meshgate.config import Config
+from meshgate.config import Config, IPNetwork
+from meshgate.gateway.dialer import Dialer, DialError
 from meshgate.logs import RateLimitedLog
 from meshgate.mesh.egress import EgressConnect, ProtocolFactory, error_code
 from meshgate.mesh.streams import HOST_UNREACHABLE, NOT_ALLOWED, TTL_EXPIRED, StreamError
 from meshgate.metrics import REGISTRY
-from meshgate.policy import EgressPolicy, IPAddress
+from meshgate.policy import EgressPolicy, IPAddress, in_any, parse_ip
 
 log = logging.getLogger("meshgate.mesh.exit")
 _rlog = RateLimitedLog(log)
@@ -35,19 +35,16 @@ _refused = REGISTRY.counter(
 _egress = REGISTRY.counter("meshgate_egress_connects_total", "Egress connections by outcome", ("outcome",))
 
 
-def _ip(host: str) -> IPAddress | None:
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
-
-
 class ExitRules:
     """Pure decisions: translation and whether an address may be reached here."""
 
     def __init__(self, config: Config) -> None:
         mesh = config.mesh
-        self.own_ips = {i.ip for i in (config.node.ipv4, config.node.ipv6) if i is not None}
+        ifaces = [i for i in (config.node.ipv4, config.node.ipv6) if i is not None]
+        self.own_ips: set[IPAddress] = {i.ip for i in ifaces}
+        # The mesh's own virtual subnets: an address there with no route (unassigned,
+        # or not yet converged) must never leave by the host's default route.
+        self.vnets: tuple[IPNetwork, ...] = tuple(i.network for i in ifaces)
         self.maps = [(c.mapped, c.real) for c in mesh.proxy_cidrs if c.mapped is not None]
         # A catch-all proxy CIDR makes this node an exit for that family, not
         # "owner of everything": the exit policy still applies there.
@@ -66,8 +63,7 @@ class ExitRules:
 
     def check(self, ip: IPAddress) -> str | None:
         """None if allowed; else the reason (for logs and counters, never a secret)."""
-        owned = any(ip.version == n.version and ip in n for n in self.own_nets)
-        if not owned and ip.version not in self.exit_families:
+        if not in_any(ip, self.own_nets) and ip.version not in self.exit_families:
             return f"{ip} is not in this node's proxy_cidrs and the node is not an exit (mesh.exit_node)"
         return self.policy.check(ip)
 
@@ -79,18 +75,16 @@ def connector(node: Any, timeout: float | None = None) -> EgressConnect:
     connect_timeout = timeout if timeout is not None else config.limits.socks5_connect_timeout
 
     async def resolve(host: str, port: int) -> list[IPAddress]:
-        resolve_host = getattr(node.resolver, "resolve_host", None)
+        # the dialer's resolution (node's DNS pipeline, else getaddrinfo); node.resolver
+        # is read per call because the DNS service is built after the mesh
         try:
-            if resolve_host is not None:
-                return [ipaddress.ip_address(a) for a in await resolve_host(host)]
-            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            return list(dict.fromkeys(ipaddress.ip_address(i[4][0]) for i in infos))
-        except (OSError, ValueError) as e:
-            raise StreamError(HOST_UNREACHABLE, f"cannot resolve {host!r}: {e}") from None
+            return await Dialer(resolver=node.resolver).resolve(host, port)
+        except DialError as e:
+            raise StreamError(e.reply, str(e)) from None
 
     async def connect(host: str, port: int, factory: ProtocolFactory) -> tuple[asyncio.BaseTransport, Any]:
         loop = asyncio.get_running_loop()
-        ip = _ip(host)
+        ip = parse_ip(host)
         if ip is not None and ip in rules.own_ips:
             # The node's own virtual IP is the node itself: its loopback services.
             target = "::1" if ip.version == 6 else "127.0.0.1"

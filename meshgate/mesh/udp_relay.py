@@ -38,6 +38,7 @@ from meshgate.logs import RateLimitedLog
 from meshgate.mesh import channels
 from meshgate.mesh.exit import ExitRules
 from meshgate.metrics import REGISTRY
+from meshgate.policy import in_any
 
 log = logging.getLogger("meshgate.mesh.udp")
 _rlog = RateLimitedLog(log)
@@ -128,8 +129,7 @@ class PortalUdp:
         ip, head = cached
         route = self.hub.mesh.lookup(ip)
         if route is None:
-            in_vnet = any(ip.version == n.version and ip in n for n in self.hub.vnets)
-            if self.local is not None and not in_vnet:
+            if self.local is not None and not in_any(ip, self.hub.rules.vnets):
                 return self.local.sendto(data, sockaddr, family)
             _DROP_NO_ROUTE.inc()
             return False
@@ -214,8 +214,6 @@ class UdpHub:
         limits = node.config.limits
         self.loop: asyncio.AbstractEventLoop = asyncio.get_running_loop()
         self.rules = ExitRules(node.config)
-        # never sent directly even with direct_fallback: see MeshDialer.vnets
-        self.vnets = tuple(i.network for i in (node.config.node.ipv4, node.config.node.ipv6) if i is not None)
         self.idle = limits.socks5_udp_idle_timeout
         self.max_assocs = limits.mesh_udp_max_associations
         self.max_targets = limits.socks5_udp_max_targets
