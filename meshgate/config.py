@@ -180,7 +180,6 @@ class LimitsConfig:
     max_peers: int = 256
     max_pending_handshakes: int = 64
     handshake_timeout: float = 5.0
-    link_queue: int = 4096
     route_records: int = 4096
     mesh_ping_interval: float = 1.0  # link pings (latency, liveness)
     mesh_dead_after: float = 5.0  # a link silent this long is closed and its routes withdrawn
@@ -188,7 +187,6 @@ class LimitsConfig:
     mesh_link_buffer: int = 4194304  # bytes queued on a link above which datagrams are dropped
     tun_read_batch: int = 256  # packets read from the TUN device per loop wake-up before yielding
     tun_write_queue: int = 4096  # mesh packets queued for the TUN device within one loop tick
-    dns_cache_size: int = 10000
     dns_timeout: float = 3.0
     dns_max_inflight: int = 4096
     dns_tcp_idle_timeout: float = 10.0
