@@ -16,7 +16,7 @@ from meshgate.node import Node, bind_error
 
 log = logging.getLogger("meshgate.admin")
 
-_MAX_REQUEST = 8192
+_MAX_REQUEST = 8192  # request head bytes; a longer one is dropped (LimitOverrunError)
 _TIMEOUT = 5.0
 _requests = REGISTRY.counter("meshgate_admin_requests_total", "Admin API requests", ("path", "code"))
 
@@ -40,7 +40,7 @@ class AdminService:
     async def start(self) -> None:
         addr = self.node.config.admin.listen
         try:
-            self.server = await asyncio.start_server(self._handle, addr.host, addr.port)
+            self.server = await asyncio.start_server(self._handle, addr.host, addr.port, limit=_MAX_REQUEST)
         except OSError as e:
             raise bind_error("admin.listen", addr, e) from None
         log.info("admin API on http://%s", self.address)
