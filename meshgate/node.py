@@ -83,11 +83,14 @@ class Node:
     def _wire_mesh(self) -> None:
         """Give mesh-aware routing to what was built without a portal: a node
         with no SOCKS5 portal still resolves through upstreams on other nodes."""
-        from meshgate.dns.upstream import TcpUpstream
         from meshgate.gateway.mesh_dialer import MeshDialer
 
         if self.dialer is None:
             self.dialer = MeshDialer.for_node(self)
+        if self.resolver is None:
+            return  # a portal-only node: keep the DNS client stack (aioquic, h2, OpenSSL) unloaded
+        from meshgate.dns.upstream import TcpUpstream
+
         for up in getattr(self.resolver, "upstreams", []):
             if isinstance(up, TcpUpstream):
                 up.node = self
