@@ -185,6 +185,13 @@ class LimitsConfig:
     mesh_dead_after: float = 5.0  # a link silent this long is closed and its routes withdrawn
     mesh_route_expiry: float = 60.0  # records of unreachable nodes are forgotten after this
     mesh_link_buffer: int = 4194304  # bytes queued on a link above which datagrams are dropped
+    udp_link_mtu: int = 1500  # path MTU under udp:// links: UDP payload <= 1472 B (IPv4), 1452 (IPv6)
+    udp_link_window: int = 2097152  # udp:// links: reliable bytes in flight (sent, not yet acknowledged)
+    udp_link_queue: int = 33554432  # udp:// links: reliable bytes queued behind the window; more: link fails
+    udp_link_retransmits: int = 8  # udp:// links: retransmission timeouts in a row before the link fails
+    udp_link_gso: bool = True  # udp:// links: batch sends with UDP_SEGMENT (GSO) where the kernel has it
+    udp_link_read_batch: int = 256  # udp:// links: datagrams read per socket wake-up before yielding
+    udp_link_send_queue: int = 4096  # udp:// links: packets held while the socket is full (EAGAIN); more drop
     tun_read_batch: int = 256  # packets read from the TUN device per loop wake-up before yielding
     tun_write_queue: int = 4096  # mesh packets queued for the TUN device within one loop tick
     dns_timeout: float = 3.0

@@ -1,9 +1,12 @@
-"""The asyncio adapter of one link (TCP or ring): bytes in -> LinkCodec -> frames.
+"""The asyncio adapter of one link (TCP, QUIC or ring): bytes in -> LinkCodec -> frames.
 
 Sending is synchronous: `send_frame` appends to the codec's batch and the
 batch is sealed and written with one `writelines` at the end of the loop
 tick. A handshake that does not finish within `limits.handshake_timeout` is
 aborted; the owner (MeshService) handles every established frame.
+
+`LinkBase` is the surface the owner sees (HELLO gate, counters, fail/close);
+`Link` is it over a byte pipe, `link_udp.UdpLink` over UDP datagrams.
 """
 
 from __future__ import annotations
@@ -35,25 +38,25 @@ class LinkOwner(Protocol):
     handshake_timeout: float
     loop: asyncio.AbstractEventLoop
 
-    def link_ready(self, link: Link) -> bool: ...
-    def link_lost(self, link: Link) -> None: ...
-    def link_failed(self, link: Link, reason: str) -> None: ...
+    def link_ready(self, link: LinkBase) -> bool: ...
+    def link_lost(self, link: LinkBase) -> None: ...
+    def link_failed(self, link: LinkBase, reason: str) -> None: ...
     def on_frame(
-        self, link: Link, ftype: int, flags: int, hop: int, src: int, dst: int, body: memoryview
+        self, link: LinkBase, ftype: int, flags: int, hop: int, src: int, dst: int, body: memoryview
     ) -> None: ...
 
 
-class Link(asyncio.Protocol):
+class LinkBase:
+    """What the owner uses of a link, whatever carries it: the peer's HELLO gates the
+    link (nothing before it reaches the owner), counters, liveness, fail/close."""
+
     def __init__(self, owner: LinkOwner, url: str, initiator: bool) -> None:
         self.owner = owner
         self.url = url
         self.initiator = initiator
         self.loop = owner.loop
-        self.transport: asyncio.Transport | None = None
-        self.codec = LinkCodec(initiator, owner.network, owner.psk, self._on_frame, hello=owner.hello)
         self.peer: Hello | None = None  # set when the peer's HELLO arrives
         self.closed: asyncio.Future[bool] = self.loop.create_future()  # result: was it established
-        self._flush_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self.last_rx = self.loop.time()
         self.latency_us = 0  # smoothed ping RTT; 0 = not measured yet
@@ -63,6 +66,97 @@ class Link(asyncio.Protocol):
         self.drops_reported = (0, 0, 0)  # replayed, forged, malformed already counted
         self.write_paused = False
         self._failed = False
+
+    # ------------------------------------------------------------ for the carrier
+
+    def _start_handshake_timer(self) -> None:
+        self._timer = self.loop.call_later(self.owner.handshake_timeout, self._handshake_timeout)
+
+    def _on_frame(self, ftype: int, flags: int, hop: int, src: int, dst: int, body: memoryview) -> None:
+        if self.peer is None:
+            if ftype != HELLO:
+                self.fail("no_hello", "frame before hello")
+                return
+            try:
+                hello = decode_hello(body)
+            except LinkError as e:
+                self.fail(e.reason, str(e))
+                return
+            self.peer = hello
+            self._cancel_timer()
+            if not self.owner.link_ready(self):
+                self.peer = None
+                self._failed = True
+                self.close()
+            return
+        self.owner.on_frame(self, ftype, flags, hop, src, dst, body)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _ended(self) -> None:
+        """The carrier is gone: tell the owner once, resolve `closed`."""
+        self._cancel_timer()
+        if self.peer is None and not self._failed:
+            # closed by the other side before it said HELLO: a failed handshake from
+            # our point of view (wrong secret or network on one side, or a stray probe)
+            self._failed = True
+            self.owner.link_failed(self, "closed")
+        self.owner.link_lost(self)
+        if not self.closed.done():
+            self.closed.set_result(self.peer is not None)
+
+    def _handshake_timeout(self) -> None:
+        self._timer = None
+        if self.peer is None:
+            self.fail("timeout", "handshake timed out")
+
+    # ------------------------------------------------------------ for the owner
+
+    def send_frame(
+        self, ftype: int, flags: int, hop: int, src: int, dst: int, head: Any, data: Any = b""
+    ) -> None:
+        raise NotImplementedError
+
+    def buffered(self) -> int:
+        """Bytes accepted for sending and not yet gone (or, on UDP, not yet acknowledged)."""
+        raise NotImplementedError
+
+    def drop_counts(self) -> tuple[int, int, int]:
+        """Records dropped so far: (replayed, forged, malformed)."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Close now, without flushing."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Flush what is queued, then close."""
+        raise NotImplementedError
+
+    def fail(self, reason: str, message: str) -> None:
+        if not self._failed and self.peer is None:
+            self._failed = True
+            self.owner.link_failed(self, reason)
+        _rlog.debug(f"link:{self.url}", "link %s closed: %s", self.url, message)
+        self.abort()
+
+    def mark_dead(self) -> None:
+        """The owner has already withdrawn this link: later callbacks are no news."""
+        self.peer = None
+        self._failed = True
+
+
+class Link(LinkBase, asyncio.Protocol):
+    """A link over a byte pipe (TCP, QUIC stream, ring) with the LinkCodec."""
+
+    def __init__(self, owner: LinkOwner, url: str, initiator: bool) -> None:
+        super().__init__(owner, url, initiator)
+        self.transport: asyncio.Transport | None = None
+        self.codec = LinkCodec(initiator, owner.network, owner.psk, self._on_frame, hello=owner.hello)
+        self._flush_scheduled = False
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -76,7 +170,7 @@ class Link(asyncio.Protocol):
             peer = transport.get_extra_info("peername")
             if isinstance(peer, tuple):
                 self.url = str(LinkUrl(scheme, peer[0], peer[1]))
-        self._timer = self.loop.call_later(self.owner.handshake_timeout, self._handshake_timeout)
+        self._start_handshake_timer()
         self.codec.start()
         self._flush()
 
@@ -95,17 +189,7 @@ class Link(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self.peer is None and not self._failed:
-            # closed by the other side before it said HELLO: a failed handshake from
-            # our point of view (wrong secret or network on one side, or a stray probe)
-            self._failed = True
-            self.owner.link_failed(self, "closed")
-        self.owner.link_lost(self)
-        if not self.closed.done():
-            self.closed.set_result(self.peer is not None)
+        self._ended()
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -114,27 +198,6 @@ class Link(asyncio.Protocol):
         self.write_paused = False
 
     # ------------------------------------------------------------ frames
-
-    def _on_frame(self, ftype: int, flags: int, hop: int, src: int, dst: int, body: memoryview) -> None:
-        if self.peer is None:
-            if ftype != HELLO:
-                self.fail("no_hello", "frame before hello")
-                return
-            try:
-                hello = decode_hello(body)
-            except LinkError as e:
-                self.fail(e.reason, str(e))
-                return
-            self.peer = hello
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            if not self.owner.link_ready(self):
-                self.peer = None
-                self._failed = True
-                self.close()
-            return
-        self.owner.on_frame(self, ftype, flags, hop, src, dst, body)
 
     def send_frame(
         self, ftype: int, flags: int, hop: int, src: int, dst: int, head: Any, data: Any = b""
@@ -148,6 +211,10 @@ class Link(asyncio.Protocol):
         t = self.transport
         return self.codec.pending_bytes() + (t.get_write_buffer_size() if t is not None else 0)
 
+    def drop_counts(self) -> tuple[int, int, int]:
+        c = self.codec
+        return c.replayed, c.forged, c.malformed
+
     def _flush(self) -> None:
         self._flush_scheduled = False
         chunks = self.codec.data_to_send()
@@ -157,23 +224,9 @@ class Link(asyncio.Protocol):
 
     # ------------------------------------------------------------ closing
 
-    def _handshake_timeout(self) -> None:
-        self._timer = None
-        if self.peer is None:
-            self.fail("timeout", "handshake timed out")
-
-    def fail(self, reason: str, message: str) -> None:
-        if not self._failed and self.peer is None:
-            self._failed = True
-            self.owner.link_failed(self, reason)
-        _rlog.debug(f"link:{self.url}", "link %s closed: %s", self.url, message)
+    def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()
-
-    def mark_dead(self) -> None:
-        """The owner has already withdrawn this link: later callbacks are no news."""
-        self.peer = None
-        self._failed = True
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():

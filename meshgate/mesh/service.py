@@ -20,7 +20,7 @@ import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from meshgate.config import Config, LinkUrl
 from meshgate.logs import RateLimitedLog
@@ -43,7 +43,7 @@ from meshgate.mesh.frames import (
     Hello,
     derive_psk,
 )
-from meshgate.mesh.links import Link
+from meshgate.mesh.links import Link, LinkBase
 from meshgate.mesh.routing import (
     Record,
     RecordError,
@@ -63,6 +63,9 @@ from meshgate.mesh.streams import (
     StreamMux,
 )
 from meshgate.metrics import REGISTRY
+
+if TYPE_CHECKING:
+    from meshgate.mesh import link_udp
 
 log = logging.getLogger("meshgate.mesh")
 _rlog = RateLimitedLog(log)
@@ -139,11 +142,12 @@ class MeshService:
         own_ips = {str(i.ip) for i in (config.node.ipv4, config.node.ipv6) if i is not None}
         self.egress_connect: EgressConnect = local_connector(own_ips, limits.socks5_connect_timeout)
         self.mux: StreamMux | None = None
-        self.links: dict[int, list[Link]] = {}  # neighbour id -> established links
-        self.pending: set[Link] = set()  # links still in their handshake
+        self.links: dict[int, list[LinkBase]] = {}  # neighbour id -> established links
+        self.pending: set[LinkBase] = set()  # links still in their handshake
         self._datagram_handlers: dict[int, DatagramCallback] = {}
         self._servers: list[asyncio.Server] = []
         self._quic_servers: list[Any] = []
+        self._udp_listeners: list[Any] = []
         self._rings: list[tuple[str, Callable[[], asyncio.Protocol]]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tick_handle: asyncio.TimerHandle | None = None
@@ -199,8 +203,18 @@ class MeshService:
                 sockname = qserver._transport.get_extra_info("sockname") if qserver._transport else None
                 port = sockname[1] if sockname else url.port
                 self.listen_addrs.append(str(LinkUrl("quic", url.host, port)))
+            elif url.scheme == "udp":
+                from meshgate.mesh import link_udp
+
+                try:
+                    ulistener = await link_udp.listen(url.host, url.port, self._accept_udp, limits)
+                except OSError as e:
+                    await self.stop()
+                    raise bind_error("mesh.listen", str(url), e) from None
+                self._udp_listeners.append(ulistener)
+                self.listen_addrs.append(str(LinkUrl("udp", *ulistener.sockname[:2])))
             else:
-                log.warning("mesh.listen: %s links are not implemented yet; skipping %s", url.scheme, url)
+                log.warning("mesh.listen: %s links are not implemented; skipping %s", url.scheme, url)
         for url in self.config.mesh.peers:
             self._spawn(self._keep_peer(url))
         self._tick_handle = self.loop.call_later(self.ping_interval, self._tick)
@@ -221,14 +235,16 @@ class MeshService:
         for qserver in self._quic_servers:
             qserver.close()
         self._quic_servers.clear()
+        for ulistener in self._udp_listeners:
+            ulistener.close()  # says CLOSE to every peer on it
+        self._udp_listeners.clear()
         for task in list(self._tasks):
             task.cancel()
         for links in list(self.links.values()):
             for link in list(links):
                 link.close()
         for link in list(self.pending):
-            if link.transport is not None:
-                link.transport.abort()
+            link.abort()
         if self.mux is not None:
             self.mux.close_all()
         for server in self._servers:
@@ -251,13 +267,39 @@ class MeshService:
         if len(self.pending) >= self.config.limits.max_pending_handshakes:
             self.link_failed(link, "too_many_pending")
             _rlog.debug("pending", "too many pending mesh handshakes (limits.max_pending_handshakes)")
-            self.loop.call_soon(lambda: link.transport.abort() if link.transport else None)
+            self.loop.call_soon(link.abort)
         else:
             self.pending.add(link)
         return link
 
-    async def connect(self, url: LinkUrl) -> Link:
+    def _accept_udp(self, sock: link_udp.UdpSocket, addr: Any) -> link_udp.UdpLink | None:
+        """A msg1 from a new source on a udp:// listener: a responder link, or None (dropped)."""
+        from meshgate.mesh import link_udp
+
+        if len(self.pending) >= self.config.limits.max_pending_handshakes:
+            # counted like a refused TCP accept, without building a session for it
+            self.stats["handshake_failed"] += 1
+            self.stats["handshake_failed_too_many_pending"] += 1
+            _handshakes.labels("failed_too_many_pending").inc()
+            _rlog.debug("pending", "too many pending mesh handshakes (limits.max_pending_handshakes)")
+            return None
+        url = str(LinkUrl("udp", addr[0], addr[1]))
+        link = link_udp.UdpLink(self, url, False, sock, addr, self.config.limits)
+        self.pending.add(link)
+        return link
+
+    async def connect(self, url: LinkUrl) -> LinkBase:
         """Open one link (returns once connected; the handshake continues in the background)."""
+        if url.scheme == "udp":
+            from meshgate.mesh import link_udp
+
+            limits = self.config.limits
+            ulink = await link_udp.connect(
+                url, lambda sock, addr: link_udp.UdpLink(self, str(url), True, sock, addr, limits), limits
+            )
+            self.pending.add(ulink)
+            ulink.begin()
+            return ulink
         link = Link(self, str(url), initiator=True)
         self.pending.add(link)
         try:
@@ -295,14 +337,14 @@ class MeshService:
             attempt += 1
             await asyncio.sleep(delay)
 
-    def link_failed(self, link: Link, reason: str) -> None:
+    def link_failed(self, link: LinkBase, reason: str) -> None:
         self.pending.discard(link)
         self.stats["handshake_failed"] += 1
         self.stats[f"handshake_failed_{reason}"] += 1
         _handshakes.labels(f"failed_{reason}").inc()
         _rlog.debug(f"hs:{link.url}", "mesh handshake with %s failed: %s", link.url, reason)
 
-    def link_ready(self, link: Link) -> bool:
+    def link_ready(self, link: LinkBase) -> bool:
         self.pending.discard(link)
         peer = link.peer
         assert peer is not None
@@ -335,7 +377,7 @@ class MeshService:
         self._schedule_sync()
         return True
 
-    def link_lost(self, link: Link) -> None:
+    def link_lost(self, link: LinkBase) -> None:
         self.pending.discard(link)
         peer = link.peer
         if peer is None:
@@ -351,7 +393,7 @@ class MeshService:
             self._update_neighbours()
             self._schedule_sync()
 
-    def _best_link(self, nid: int) -> Link | None:
+    def _best_link(self, nid: int) -> LinkBase | None:
         links = self.links.get(nid)
         if not links:
             return None
@@ -376,7 +418,7 @@ class MeshService:
 
     # ------------------------------------------------------------------ liveness
 
-    def _send_ping(self, link: Link) -> None:
+    def _send_ping(self, link: LinkBase) -> None:
         assert link.peer is not None
         token = U64.pack(int(self.loop.time() * 1e6))
         link.send_frame(PING, 0, 1, self.node_id, link.peer.node_id, token)
@@ -389,7 +431,7 @@ class MeshService:
                     self.stats["link_dead"] += 1
                     log.info("mesh link %s silent for %.1fs; closing", link.url, now - link.last_rx)
                     links.remove(link)  # withdraw now; connection_lost may come later
-                    link.transport.abort() if link.transport is not None else None
+                    link.abort()
                     self._forget_link(link)
                     continue
                 self._send_ping(link)
@@ -399,7 +441,7 @@ class MeshService:
         if self._running:
             self._tick_handle = self.loop.call_later(self.ping_interval, self._tick)
 
-    def _forget_link(self, link: Link) -> None:
+    def _forget_link(self, link: LinkBase) -> None:
         assert link.peer is not None
         nid = link.peer.node_id
         _links_gauge.dec()
@@ -409,12 +451,11 @@ class MeshService:
         link.mark_dead()
         self._update_neighbours()
 
-    def _report_counters(self, link: Link) -> None:
+    def _report_counters(self, link: LinkBase) -> None:
         """Per-link byte counts and the codec's drop counts, flushed once per tick."""
         assert link.peer is not None
-        codec = link.codec
         seen = link.drops_reported
-        now_drops = (codec.replayed, codec.forged, codec.malformed)
+        now_drops = link.drop_counts()
         for reason, new, old in zip(("replayed", "forged", "malformed"), now_drops, seen, strict=True):
             if new > old:
                 _records_dropped.labels(reason).inc(new - old)
@@ -429,7 +470,7 @@ class MeshService:
             _link_bytes.labels(label, "out").inc(link.bytes_out - bout)
         link.bytes_reported = (link.bytes_in, link.bytes_out)
 
-    def _on_pong(self, link: Link, body: memoryview) -> None:
+    def _on_pong(self, link: LinkBase, body: memoryview) -> None:
         if len(body) != 8:
             return
         rtt = max(1, int(self.loop.time() * 1e6) - U64.unpack(body)[0])
@@ -489,7 +530,7 @@ class MeshService:
             for body in encode_records(records, MAX_BODY):
                 link.send_frame(ROUTES, 0, 1, self.node_id, nid, body)
 
-    def _on_routes(self, link: Link, body: memoryview) -> None:
+    def _on_routes(self, link: LinkBase, body: memoryview) -> None:
         assert link.peer is not None
         try:
             acks = self.table.receive_body(link.peer.node_id, body, self.loop.time())
@@ -504,7 +545,7 @@ class MeshService:
     # ------------------------------------------------------------------ frames
 
     def on_frame(
-        self, link: Link, ftype: int, flags: int, hop: int, src: int, dst: int, body: memoryview
+        self, link: LinkBase, ftype: int, flags: int, hop: int, src: int, dst: int, body: memoryview
     ) -> None:
         if ftype in LINK_LOCAL:
             if ftype == PING:
@@ -563,7 +604,7 @@ class MeshService:
             sid = struct.unpack_from("!I", body)[0]
             back.send_frame(STREAM_RESET, 0, DEFAULT_HOP_LIMIT, dst, src, RESET.pack(sid, code))
 
-    def _route_link(self, dst: int, flags: int) -> Link | None:
+    def _route_link(self, dst: int, flags: int) -> LinkBase | None:
         paths = self.table.lat_paths if flags & FLAG_LATENCY else self.table.hop_paths
         p = paths.get(dst)
         if p is None and self.table.dirty:
@@ -735,9 +776,7 @@ class MeshService:
             "peers": sum(len(v) for v in self.links.values()),
             "nodes": len(self.table.hop_paths),
             "streams": len(self.mux) if self.mux is not None else 0,
-            "notes": ["udp:// mesh links are not implemented yet"]
-            if any(u.scheme == "udp" for u in (*self.config.mesh.listen, *self.config.mesh.peers))
-            else [],
+            "notes": [],
         }
 
 

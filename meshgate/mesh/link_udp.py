@@ -1,0 +1,542 @@
+"""udp:// links: the asyncio adapter of udp_session.UdpSession.
+
+`UdpSocket` owns one non-blocking UDP socket driven by `loop.add_reader` /
+`add_writer` (asyncio's datagram transports cannot pass the UDP_SEGMENT control
+message). Reads drain the socket into one preallocated buffer (at most
+`limits.udp_link_read_batch` datagrams per wake-up); with UDP_GRO on, one read
+may hold several coalesced packets, split by the gso_size control message.
+Sends: the packets one link produced in one loop tick go out together; runs of
+equal-size packets to one address (the last may be shorter) leave in one
+`sendmsg` with UDP_SEGMENT (GSO: up to 64 segments / 64 KB per call) where the
+kernel supports it, else one `send` per packet. Support is probed once when the
+socket is made (setsockopt UDP_SEGMENT) and dropped for good on the first GSO
+send failing with EIO/EINVAL/ENOPROTOOPT/EOPNOTSUPP (a device without checksum
+offload). EAGAIN parks the rest in a bounded queue drained by `add_writer`.
+
+`UdpListener` answers many peers on one socket: packets are demultiplexed by the
+receiver's session id (and must come from that session's address); a new source
+gets a session only for a well-formed msg1, one pending handshake per source
+address, within `limits.max_peers + limits.max_pending_handshakes` sessions.
+An initiator gets its own connected socket (`connect`).
+
+Sockets carry the node's fwmark (tun_routes.mark_socket) like TCP links, so an
+exit's default route through the node's own TUN device does not swallow them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import socket
+import struct
+import sys
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from meshgate.config import LimitsConfig, LinkUrl
+from meshgate.logs import RateLimitedLog
+from meshgate.mesh.frames import HELLO, LinkError, encode_hello
+from meshgate.mesh.links import LinkBase, LinkOwner
+from meshgate.mesh.udp_session import KIND_INIT, UdpSession, is_init, payload_size, receiver_id
+from meshgate.metrics import REGISTRY, LocalCounter
+
+log = logging.getLogger("meshgate.mesh.udp")
+_rlog = RateLimitedLog(log)
+
+SOL_UDP = getattr(socket, "SOL_UDP", 17)
+UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
+UDP_GRO = getattr(socket, "UDP_GRO", 104)
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+GSO_MAX_SEGMENTS = 64
+GSO_MAX_BYTES = 65000  # below the 64 KB IP datagram limit with headers
+READ_SIZE = 65535  # one read may be a GRO super-packet
+SOCKET_BUFFER = 8 << 20  # a full window in flight must fit the receiver's socket buffer
+GSO_UNSUPPORTED = frozenset((errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP))
+ANC_SIZE = socket.CMSG_SPACE(4)
+
+_packets = REGISTRY.counter("meshgate_mesh_udp_packets_total", "Packets on udp:// links", ("direction",))
+_gso_batches = REGISTRY.counter(
+    "meshgate_mesh_udp_gso_batches_total", "sendmsg calls with UDP_SEGMENT (several packets each)"
+)
+_retransmits = REGISTRY.counter(
+    "meshgate_mesh_udp_retransmits_total", "Reliable segments sent again on udp:// links"
+)
+_dropped = REGISTRY.counter(
+    "meshgate_mesh_udp_dropped_total", "Packets dropped on udp:// links", ("reason",)
+)
+
+
+def _sock_buffers(sock: socket.socket) -> None:
+    for force, plain in ((SO_RCVBUFFORCE, socket.SO_RCVBUF), (SO_SNDBUFFORCE, socket.SO_SNDBUF)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force, SOCKET_BUFFER)  # root: beyond rmem_max
+        except OSError:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, plain, SOCKET_BUFFER)
+
+
+def gso_supported(sock: socket.socket) -> bool:
+    try:
+        sock.setsockopt(SOL_UDP, UDP_SEGMENT, 0)  # 0: no default segmentation, just the probe
+    except OSError:
+        return False
+    return True
+
+
+class UdpSocket:
+    """One UDP socket: drained reads (GRO split), per-tick batched sends (GSO)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        on_packet: Callable[[memoryview, Any], None],
+        limits: LimitsConfig,
+        connected: bool,
+    ) -> None:
+        self.loop = loop
+        self.sock = sock
+        self.on_packet = on_packet
+        self.connected = connected
+        self.read_batch = limits.udp_link_read_batch
+        self.queue_limit = limits.udp_link_send_queue
+        self.gso = limits.udp_link_gso and gso_supported(sock)
+        self.gro = False
+        if limits.udp_link_gso:
+            try:
+                sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+                self.gro = True
+            except OSError:
+                pass
+        self._buf = bytearray(READ_SIZE)
+        self._view = memoryview(self._buf)
+        self._queue: deque[tuple[Any, bytes]] = deque()  # parked by EAGAIN, sent in order
+        self._writing = False
+        self.closed = False
+        # per-socket counts (tests, status) and their metrics
+        self.gso_batches = 0
+        self.gso_segments = 0
+        self.sent = 0
+        self.received = 0
+        self._out = LocalCounter(_packets.labels("out"))
+        self._in = LocalCounter(_packets.labels("in"))
+        loop.add_reader(sock.fileno(), self._readable)
+
+    @property
+    def family(self) -> int:
+        return self.sock.family
+
+    # ------------------------------------------------------------------ receive
+
+    def _readable(self) -> None:
+        sock, view, buf = self.sock, self._view, self._buf
+        on_packet = self.on_packet
+        for _ in range(self.read_batch):
+            try:
+                n, anc, _flags, addr = sock.recvmsg_into((buf,), ANC_SIZE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                # ICMP errors (port unreachable: the peer is gone) surface on the next read
+                _dropped.labels("icmp_error").inc()
+                _rlog.debug(f"icmp:{id(self)}", "udp link socket error: %s", e.strerror)
+                continue
+            if self.closed:
+                return
+            step = n
+            for level, ctype, data in anc:
+                if level == SOL_UDP and ctype == UDP_GRO:
+                    step = int.from_bytes(data[:4] if len(data) >= 4 else data[:2], sys.byteorder)
+            if step <= 0:
+                step = n
+            off = 0
+            while off < n:
+                end = min(n, off + step)
+                self.received += 1
+                self._in.add()
+                on_packet(view[off:end], addr)
+                off = end
+                if self.closed:
+                    return
+        self._in.flush()
+
+    # ------------------------------------------------------------------ send
+
+    def send(self, addr: Any, packets: list[bytes]) -> None:
+        if self.closed or not packets:
+            return
+        if self._queue:
+            self._park(addr, packets, 0)
+            return
+        self._send(addr, packets)
+
+    def _send(self, addr: Any, packets: list[bytes]) -> None:
+        sock = self.sock
+        i, n = 0, len(packets)
+        while i < n:
+            size = len(packets[i])
+            j = i + 1
+            if self.gso:
+                total = size
+                while (
+                    j < n and j - i < GSO_MAX_SEGMENTS and len(packets[j - 1]) == size
+                    and len(packets[j]) <= size and total + len(packets[j]) <= GSO_MAX_BYTES
+                ):
+                    total += len(packets[j])
+                    j += 1
+            try:
+                if j - i > 1:
+                    anc = [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))]
+                    if self.connected:
+                        sock.sendmsg(packets[i:j], anc)
+                    else:
+                        sock.sendmsg(packets[i:j], anc, 0, addr)
+                    self.gso_batches += 1
+                    self.gso_segments += j - i
+                    _gso_batches.inc()
+                elif self.connected:
+                    sock.send(packets[i])
+                else:
+                    sock.sendto(packets[i], addr)
+            except (BlockingIOError, InterruptedError):
+                self._park(addr, packets, i)
+                return
+            except OSError as e:
+                if j - i > 1 and e.errno in GSO_UNSUPPORTED:
+                    log.info("udp links: GSO send failed (%s); one packet per send from now on", e.strerror)
+                    self.gso = False
+                    continue  # the same packets again, one by one
+                _dropped.labels("send_error").inc(j - i)
+                _rlog.debug(f"send:{addr}", "udp link send to %s failed: %s", addr, e.strerror)
+            self.sent += j - i
+            self._out.add(j - i)
+            i = j
+        self._out.flush()
+
+    def _park(self, addr: Any, packets: list[bytes], start: int) -> None:
+        room = self.queue_limit - len(self._queue)
+        take = packets[start : start + max(0, room)]
+        for p in take:
+            self._queue.append((addr, p))
+        lost = len(packets) - start - len(take)
+        if lost:
+            # the reliable channel sends lost segments again; datagrams are lost as on any link
+            _dropped.labels("send_queue_full").inc(lost)
+            _rlog.debug(f"sendq:{addr}", "udp link send queue full (limits.udp_link_send_queue); "
+                        "%d packets to %s dropped", lost, addr)
+        if not self._writing and self._queue:
+            self._writing = True
+            self.loop.add_writer(self.sock.fileno(), self._writable)
+
+    def _writable(self) -> None:
+        queue = self._queue
+        while queue:
+            addr = queue[0][0]
+            batch: list[bytes] = []
+            while queue and queue[0][0] == addr and len(batch) < GSO_MAX_SEGMENTS:
+                batch.append(queue.popleft()[1])
+            before = len(queue)
+            self._send(addr, batch)
+            if len(queue) > before:
+                # parked again (EAGAIN): _send appended them at the end; put them first
+                tail = [queue.pop() for _ in range(len(queue) - before)]
+                queue.extendleft(tail)
+                return
+        self._writing = False
+        self.loop.remove_writer(self.sock.fileno())
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._in.flush()
+        self._out.flush()
+        self.loop.remove_reader(self.sock.fileno())
+        if self._writing:
+            self.loop.remove_writer(self.sock.fileno())
+        self._queue.clear()
+        self.sock.close()
+
+
+class UdpLink(LinkBase):
+    """One udp:// link (one session) on a UdpSocket, to one peer address."""
+
+    def __init__(
+        self,
+        owner: LinkOwner,
+        url: str,
+        initiator: bool,
+        sock: UdpSocket,
+        addr: Any,
+        limits: LimitsConfig,
+        on_gone: Callable[[UdpLink], None] | None = None,
+    ) -> None:
+        super().__init__(owner, url, initiator)
+        self.sock = sock
+        self.addr = addr
+        self.on_gone = on_gone
+        # queued reliable bytes above which the link says write_paused, as a TCP transport past
+        # its high-water mark does, so the owner prefers another link to the same peer
+        self.high_water = limits.mesh_link_buffer
+        local_id = int.from_bytes(os.urandom(4), "big") or 1
+        self.session = UdpSession(
+            initiator, owner.network, owner.psk, self._on_frame, local_id,
+            payload=payload_size(limits.udp_link_mtu, sock.family == socket.AF_INET6),
+            window=limits.udp_link_window, queue_limit=limits.udp_link_queue,
+            max_retransmits=limits.udp_link_retransmits, on_established=self._established,
+        )
+        self._flush_scheduled = False
+        self._timer_handle: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._gone = False
+        self._reported = (0, 0)  # retransmits, beyond-window drops already counted
+
+    @property
+    def local_id(self) -> int:
+        return self.session.local_id
+
+    def begin(self) -> None:
+        self._start_handshake_timer()
+        self.session.start(self.loop.time())
+        self._flush()
+
+    def _established(self) -> None:
+        assert self.session.send is not None
+        hello = self.owner.hello
+        # the HELLO is the first frame on the reliable channel, as on a byte-pipe link
+        self.session.send_frame(HELLO, 0, 1, hello.node_id, 0, encode_hello(hello))
+
+    # ------------------------------------------------------------------ packets in
+
+    def datagram_received(self, packet: memoryview) -> None:
+        if self._gone:
+            return
+        now = self.loop.time()
+        self.bytes_in += len(packet)
+        try:
+            if self.session.receive(packet, now):
+                self.last_rx = now
+        except LinkError as e:
+            self.fail(e.reason, str(e))
+            return
+        if not self._flush_scheduled and self.session.wants_flush():
+            # after the rest of this read batch: one ACK for all of it
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    # ------------------------------------------------------------------ frames out
+
+    def send_frame(
+        self, ftype: int, flags: int, hop: int, src: int, dst: int, head: Any, data: Any = b""
+    ) -> None:
+        if self._gone:
+            return
+        try:
+            self.session.send_frame(ftype, flags, hop, src, dst, head, data)
+        except LinkError as e:
+            self.fail(e.reason, str(e))
+            return
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def buffered(self) -> int:
+        return self.session.buffered()
+
+    def drop_counts(self) -> tuple[int, int, int]:
+        """Also the once-per-tick report of this link's UDP counters into the metrics."""
+        s = self.session
+        retx, beyond = self._reported
+        if s.retransmits > retx:
+            _retransmits.inc(s.retransmits - retx)
+        if s.beyond_window > beyond:
+            _dropped.labels("beyond_window").inc(s.beyond_window - beyond)
+        self._reported = (s.retransmits, s.beyond_window)
+        return s.replayed, s.forged, s.malformed
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._gone:
+            return
+        s = self.session
+        packets = s.packets_to_send(self.loop.time())
+        if packets:
+            self.bytes_out += sum(map(len, packets))
+            self.sock.send(self.addr, packets)
+        queued = s.queued()
+        if queued > self.high_water:
+            self.write_paused = True
+        elif self.write_paused and queued <= self.high_water // 2:
+            self.write_paused = False
+        self._arm()
+
+    # ------------------------------------------------------------------ timers
+
+    def _arm(self) -> None:
+        when = self.session.deadline()
+        if when is None:
+            return
+        h = self._timer_handle
+        if h is not None:
+            if self._timer_at <= when + 0.001:
+                return  # fires first; it re-arms for the later deadline then
+            h.cancel()
+        self._timer_at = when
+        self._timer_handle = self.loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer_handle = None
+        if self._gone:
+            return
+        try:
+            self.session.on_timer(self.loop.time())
+        except LinkError as e:
+            self.fail(e.reason, str(e))
+            return
+        self._flush()
+
+    # ------------------------------------------------------------------ closing
+
+    def abort(self) -> None:
+        self._release()
+
+    def close(self) -> None:
+        if self._gone:
+            return
+        if self.session.established:
+            self.session.close()  # the peer drops the link now instead of at its dead timer
+            self._flush()
+        self._release()
+
+    def _release(self) -> None:
+        if self._gone:
+            return
+        self._gone = True
+        if self._timer_handle is not None:
+            self._timer_handle.cancel()
+            self._timer_handle = None
+        if self.on_gone is not None:
+            self.on_gone(self)
+        self.drop_counts()
+        # like connection_lost after transport.abort(): the owner hears of it on the next tick
+        self.loop.call_soon(self._ended)
+
+
+# ---------------------------------------------------------------------- listen / connect
+
+LinkMaker = Callable[[UdpSocket, Any], "UdpLink | None"]
+
+
+class UdpListener:
+    """One bound socket answering many peers."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, make_link: LinkMaker,
+                 limits: LimitsConfig) -> None:
+        self.make_link = make_link
+        self.max_sessions = limits.max_peers + limits.max_pending_handshakes
+        self.by_id: dict[int, UdpLink] = {}
+        self.by_addr: dict[Any, UdpLink] = {}  # the newest session of each source address
+        self.usock = UdpSocket(loop, sock, self._on_packet, limits, connected=False)
+
+    @property
+    def sockname(self) -> Any:
+        return self.usock.sock.getsockname()
+
+    def _on_packet(self, packet: memoryview, addr: Any) -> None:
+        if packet and packet[0] == KIND_INIT:
+            self._on_init(packet, addr)
+            return
+        rid = receiver_id(packet)
+        link = self.by_id.get(rid) if rid is not None else None
+        if link is None or link.addr != addr:
+            _dropped.labels("unknown_peer").inc()
+            _rlog.debug(f"unknown:{addr}", "udp link: packet from %s for no session of ours", addr)
+            return
+        link.datagram_received(packet)
+
+    def _on_init(self, packet: memoryview, addr: Any) -> None:
+        if not is_init(packet):
+            _dropped.labels("malformed").inc()
+            _rlog.debug(f"init:{addr}", "udp link: malformed handshake from %s", addr)
+            return
+        link = self.by_addr.get(addr)
+        if link is not None:
+            if link.session.peer_init == bytes(packet):
+                link.datagram_received(packet)  # a retransmitted msg1: msg2 again (or nothing, if done)
+                return
+            if not link.session.established:
+                link.fail("replaced", "a new handshake from the same address")
+        if len(self.by_id) >= self.max_sessions:
+            _dropped.labels("table_full").inc()
+            _rlog.debug(f"full:{addr}", "udp link: session table full; handshake from %s dropped", addr)
+            return
+        link = self.make_link(self.usock, addr)
+        if link is None:
+            return
+        while link.local_id in self.by_id:  # 1 in 2^32: draw again rather than shadow a session
+            link.session.local_id = int.from_bytes(os.urandom(4), "big") or 1
+        link.on_gone = self._gone
+        self.by_id[link.local_id] = link
+        self.by_addr[addr] = link
+        link.begin()
+        link.datagram_received(packet)
+
+    def _gone(self, link: UdpLink) -> None:
+        if self.by_id.get(link.local_id) is link:
+            del self.by_id[link.local_id]
+        if self.by_addr.get(link.addr) is link:
+            del self.by_addr[link.addr]
+
+    def close(self) -> None:
+        for link in list(self.by_id.values()):
+            link.close()
+        self.usock.close()
+
+
+async def listen(host: str, port: int, make_link: LinkMaker, limits: LimitsConfig) -> UdpListener:
+    from meshgate.mesh.tun_routes import mark_socket
+
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE)
+    family, type_, proto, _name, addr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        mark_socket(sock)
+        _sock_buffers(sock)
+        sock.bind(addr)
+        sock.setblocking(False)
+        return UdpListener(loop, sock, make_link, limits)
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def connect(
+    url: LinkUrl, make_link: Callable[[UdpSocket, Any], UdpLink], limits: LimitsConfig
+) -> UdpLink:
+    """A link on its own connected socket, not yet begun (call `begin()`)."""
+    from meshgate.mesh.tun_routes import mark_socket
+
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(url.host, url.port, type=socket.SOCK_DGRAM)
+    family, type_, proto, _name, addr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setblocking(False)
+        mark_socket(sock)  # before connect(): the route lookup already honours the mark
+        _sock_buffers(sock)
+        sock.connect(addr)
+        holder: list[UdpLink] = []
+        usock = UdpSocket(loop, sock, lambda p, _a: holder[0].datagram_received(p), limits, connected=True)
+    except BaseException:
+        sock.close()
+        raise
+    link = make_link(usock, addr)
+    holder.append(link)
+    link.on_gone = lambda _link: usock.close()
+    return link

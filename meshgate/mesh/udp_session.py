@@ -1,0 +1,619 @@
+"""Sans-I/O session of one udp:// link: handshake in single packets, sealed packets,
+a small reliable in-order channel for control and stream frames, unreliable datagrams.
+
+Wire format (docs/PROTOCOL.md section 2.6 has the full text):
+
+    handshake  = kind u8 (1, 2, 3) | MAGIC (4) | VERSION u8 | sender id u32 | receiver id u32 | Noise msg
+    data       = kind u8 (4) | receiver id u32 | record header (u32 length, epoch u8, counter u64) | AEAD
+    plaintext  = chunk*
+    chunk      = ACK   0x01 | next expected segment u32 | SACK bitmap u64 (bit i: segment next+1+i held)
+               | SEG   0x02 | segment number u32 | length u16 | bytes of the reliable stream
+               | DGRAM 0x03 | length u16 | one frame (frames.FRAME header + body), unreliable
+               | CLOSE 0x04                                    the sender closed the link
+
+Every data packet is ONE record sealed with frames.SendCipher (explicit epoch and
+counter, so a receiver opens packets in any order, with the 64-record replay window
+of frames.RecvCipher). The handshake is the TCP link's Noise XXpsk3 with the same
+prologue and PSK; msg1 carries padding so that no answer is bigger than the packet
+that asked for it, and only the initiator retransmits (msg1 until msg2 arrives, msg3
+until the responder's first sealed packet arrives): a responder sends one msg2 per
+msg1 received and nothing else before the handshake completes.
+
+The reliable channel carries every frame except DATAGRAM frames that fit one packet:
+the frames are encoded back to back into a byte stream that is cut into numbered
+segments (one per packet). The receiver acknowledges cumulatively with a SACK bitmap
+in every packet it sends (each flush, i.e. once per loop tick, sends a pure ACK when
+nothing else carries one). The sender keeps at most min(cwnd, window) bytes
+unacknowledged (NewReno-style cwnd: slow start, halving on loss, reset on timeout),
+retransmits a segment that three later segments overtook, and on a retransmission
+timeout (RTO from the measured RTT, RFC 6298, doubled per timeout) the oldest
+unacknowledged one; `max_retransmits` timeouts in a row without progress fail the link.
+
+No socket, no clock: `receive(packet, now)`, `send_frame(...)`, `packets_to_send(now)`,
+`deadline()` / `on_timer(now)`. Errors that end the link raise frames.LinkError; bad
+packets are counted and dropped.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from collections.abc import Callable
+
+from meshgate.mesh.frames import (
+    DATAGRAM,
+    FRAME,
+    MAGIC,
+    NOISE_PATTERN,
+    RECORD,
+    TAG,
+    VERSION,
+    FrameHandler,
+    LinkError,
+    RecvCipher,
+    SendCipher,
+    iter_frames,
+    prologue,
+)
+from meshgate.mesh.noise import HandshakeState, NoiseError, generate_private
+
+KIND_INIT = 1
+KIND_RESP = 2
+KIND_FINAL = 3
+KIND_DATA = 4
+
+HS = struct.Struct("!B4sBII")  # kind, magic, version, sender id, receiver id
+DATA = struct.Struct("!BI")  # kind, receiver id
+DATA_OVERHEAD = DATA.size + RECORD.size + TAG  # bytes of a data packet that are not plaintext
+INIT_PADDING = 64  # msg1 payload: makes msg1 (126 B) no smaller than msg2 (110 B)
+INIT_MIN = HS.size + 32 + INIT_PADDING + TAG  # a shorter msg1 is dropped unanswered
+
+CH_ACK = 0x01
+CH_SEG = 0x02
+CH_DGRAM = 0x03
+CH_CLOSE = 0x04
+ACK = struct.Struct("!BIQ")
+SEG = struct.Struct("!BIH")
+DGRAM = struct.Struct("!BH")
+SACK_BITS = 64
+MASK = 0xFFFFFFFF
+
+HS_RESEND = 0.25  # first handshake retransmission; doubles each time
+MIN_RTO = 0.2
+MAX_RTO = 3.0
+INITIAL_RTO = 0.5
+DUP_THRESH = 3  # a segment that this many later segments overtook is lost
+INITIAL_CWND_SEGMENTS = 64
+MIN_CWND_SEGMENTS = 4
+
+
+def payload_size(mtu: int, ipv6: bool) -> int:
+    """UDP payload bytes per packet on a path of this MTU (IP and UDP headers off)."""
+    return mtu - (48 if ipv6 else 28)
+
+
+def is_init(packet: bytes | bytearray | memoryview) -> bool:
+    """A well-formed, padded msg1: the only packet a listener answers from an unknown source."""
+    return (
+        len(packet) >= INIT_MIN and packet[0] == KIND_INIT and bytes(packet[1:5]) == MAGIC
+        and packet[5] == VERSION
+    )
+
+
+def receiver_id(packet: bytes | bytearray | memoryview) -> int | None:
+    """The receiver's session id of a data/msg2/msg3 packet (demux), or None."""
+    kind = packet[0] if packet else 0
+    if kind == KIND_DATA and len(packet) >= DATA.size:
+        return int(DATA.unpack_from(packet)[1])
+    if kind in (KIND_RESP, KIND_FINAL) and len(packet) >= HS.size:
+        return int(HS.unpack_from(packet)[4])
+    return None
+
+
+def _unwrap(wire: int, ref: int) -> int:
+    """The full sequence number nearest `ref` whose low 32 bits are `wire`."""
+    d = (wire - ref) & MASK
+    if d >= 1 << 31:
+        d -= 1 << 32
+    return ref + d
+
+
+class UdpSession:
+    """One end of one udp:// link. `local_id` is this side's session id (random, non-zero)."""
+
+    def __init__(
+        self,
+        initiator: bool,
+        network: str,
+        psk: bytes,
+        on_frame: FrameHandler,
+        local_id: int,
+        payload: int = 1472,
+        window: int = 2 << 20,
+        queue_limit: int = 32 << 20,
+        max_retransmits: int = 8,
+        on_established: Callable[[], None] | None = None,
+    ) -> None:
+        if payload < DATA_OVERHEAD + ACK.size + SEG.size + FRAME.size + 64:
+            raise ValueError(f"UDP payload of {payload} bytes is too small for a link")
+        self.initiator = initiator
+        self.on_frame = on_frame
+        self.local_id = local_id
+        self.peer_id = 0
+        self.payload = payload
+        self.plain_room = payload - DATA_OVERHEAD
+        self.seg_room = self.plain_room - ACK.size - SEG.size  # stream bytes per segment
+        self.window = max(window, 4 * self.seg_room)
+        self.queue_limit = queue_limit
+        self.max_retransmits = max_retransmits
+        self.on_established = on_established
+        self._hs: HandshakeState | None = HandshakeState(
+            NOISE_PATTERN, initiator, prologue(network), s=generate_private(), psks=(psk,)
+        )
+        self.send: SendCipher | None = None
+        self.recv: RecvCipher | None = None
+        self.confirmed = not initiator  # initiator: a sealed packet from the responder arrived
+        self._hs_packet: bytes | None = None  # our last handshake packet, for retransmission
+        self.peer_init: bytes | None = None  # responder: the msg1 answered (duplicates resend msg2)
+        self._hs_at: float | None = None
+        self._hs_interval = HS_RESEND
+        self._out: list[bytes] = []  # handshake packets to send
+        # reliable channel, sending side
+        self._tx = bytearray()  # encoded frames not yet cut into segments
+        self._unacked: dict[int, list[object]] = {}  # seq -> [data bytes, last sent at, sends]
+        self._inflight = 0
+        self._retx: deque[int] = deque()
+        self.snd_una = 0
+        self.snd_nxt = 0
+        self.cwnd = INITIAL_CWND_SEGMENTS * self.seg_room
+        self.ssthresh = 1 << 62
+        self._recover = -1  # loss recovery lasts until snd_una passes this
+        self.srtt = 0.0
+        self.rttvar = 0.0
+        self.rto = INITIAL_RTO
+        self._rto_at: float | None = None
+        self._backoff = 0
+        self._highest_sacked = -1
+        # reliable channel, receiving side
+        self.rcv_next = 0
+        self._ooo: dict[int, bytes] = {}
+        self._rx = bytearray()  # in-order stream bytes not yet a whole frame
+        self._rx_max_segments = self.window // self.seg_room + SACK_BITS
+        self._ack_owed = False
+        self._frames_seen = False  # datagrams wait for the first reliable frame (the HELLO)
+        # unreliable datagrams: complete frames, packed into packets at the next flush
+        self._dgrams: deque[bytes] = deque()
+        self._dgram_bytes = 0
+        self._close = False
+        # counters the adapter reports
+        self.packets_in = 0
+        self.packets_out = 0
+        self.retransmits = 0
+        self.replayed = 0
+        self.forged = 0
+        self.malformed = 0
+        self.unexpected = 0  # handshake packets out of turn, early data: harmless, dropped
+        self.beyond_window = 0
+        self.duplicates = 0
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def established(self) -> bool:
+        return self.send is not None
+
+    def buffered(self) -> int:
+        """Reliable bytes not yet acknowledged (queued or in flight) plus queued datagrams."""
+        return len(self._tx) + self._inflight + self._dgram_bytes
+
+    def queued(self) -> int:
+        """Reliable bytes waiting behind the window (the backpressure signal)."""
+        return len(self._tx)
+
+    # ------------------------------------------------------------------ handshake
+
+    def start(self, now: float) -> None:
+        """Initiator: send msg1 (retransmitted until msg2 arrives)."""
+        if not self.initiator:
+            return
+        assert self._hs is not None
+        msg = self._hs.write_message(bytes(INIT_PADDING))
+        self._send_hs(HS.pack(KIND_INIT, MAGIC, VERSION, self.local_id, 0) + msg, now)
+
+    def _send_hs(self, packet: bytes, now: float) -> None:
+        self._hs_packet = packet
+        self._out.append(packet)
+        if self.initiator:
+            self._hs_interval = HS_RESEND
+            self._hs_at = now + HS_RESEND
+
+    def _receive_handshake(self, packet: bytes | bytearray | memoryview, now: float) -> None:
+        if len(packet) < HS.size:
+            self.malformed += 1
+            return
+        kind, magic, version, sender, receiver = HS.unpack_from(packet)
+        if magic != MAGIC:
+            self.malformed += 1
+            return
+        if version != VERSION:
+            raise LinkError("bad_version", f"unsupported protocol version {version}")
+        body = bytes(packet[HS.size :])
+        hs = self._hs
+        if not self.initiator and kind == KIND_INIT:
+            if hs is not None and self.peer_init is None:
+                if not is_init(packet):
+                    self.malformed += 1
+                    return
+                self.peer_init = bytes(packet)
+                self.peer_id = sender
+                try:
+                    hs.read_message(body)
+                    msg2 = hs.write_message()
+                except NoiseError:
+                    raise LinkError("handshake", "handshake failed") from None
+                self._send_hs(HS.pack(KIND_RESP, MAGIC, VERSION, self.local_id, sender) + msg2, now)
+            elif hs is not None and bytes(packet) == self.peer_init and self._hs_packet is not None:
+                self._out.append(self._hs_packet)  # msg2 was lost: answer the retransmitted msg1 again
+            else:
+                self.unexpected += 1
+            return
+        if receiver != self.local_id:
+            self.unexpected += 1
+            return
+        if self.initiator and kind == KIND_RESP and hs is not None and not hs.finished:
+            self.peer_id = sender
+            try:
+                hs.read_message(body)
+                msg3 = hs.write_message()
+            except NoiseError:
+                raise LinkError("handshake", "handshake failed") from None
+            self._send_hs(HS.pack(KIND_FINAL, MAGIC, VERSION, self.local_id, sender) + msg3, now)
+            self._finish(hs)
+        elif not self.initiator and kind == KIND_FINAL and hs is not None and sender == self.peer_id:
+            try:
+                hs.read_message(body)
+            except NoiseError:
+                raise LinkError("handshake", "handshake failed") from None
+            self._hs_at = None
+            self._finish(hs)
+        else:
+            self.unexpected += 1  # duplicates after the handshake, stray ids
+
+    def _finish(self, hs: HandshakeState) -> None:
+        i2r, r2i = hs.split()
+        assert i2r.k is not None and r2i.k is not None
+        send_key, recv_key = (i2r.k, r2i.k) if self.initiator else (r2i.k, i2r.k)
+        self.send = SendCipher(send_key)
+        self.recv = RecvCipher(recv_key)
+        self._hs = None
+        if self.on_established is not None:
+            self.on_established()
+
+    # ------------------------------------------------------------------ receive
+
+    def receive(self, packet: bytes | bytearray | memoryview, now: float) -> bool:
+        """One UDP payload. True when it was authentic (liveness); LinkError ends the link."""
+        if not packet:
+            self.malformed += 1
+            return False
+        if packet[0] != KIND_DATA:
+            self._receive_handshake(packet, now)
+            return False
+        recv = self.recv
+        if recv is None:
+            self.unexpected += 1  # data before msg3 (msg3 lost): the sender retransmits
+            return False
+        if len(packet) < DATA_OVERHEAD:
+            self.malformed += 1
+            return False
+        rid = DATA.unpack_from(packet)[1]
+        length, epoch, counter = RECORD.unpack_from(packet, DATA.size)
+        if rid != self.local_id or length != len(packet) - DATA.size - 4:
+            self.malformed += 1
+            return False
+        view = packet if isinstance(packet, memoryview) else memoryview(packet)
+        hstart = DATA.size
+        plain = recv.open(view[hstart : hstart + RECORD.size], epoch, counter, view[hstart + RECORD.size :])
+        if plain is None:
+            if recv.window.highest >= counter and epoch == recv.epoch:
+                self.replayed += 1
+            else:
+                self.forged += 1
+            return False
+        self.packets_in += 1
+        if not self.confirmed:
+            self.confirmed = True
+            self._hs_at = None
+            self._hs_packet = None
+        self._chunks(plain, now)
+        return True
+
+    def _chunks(self, plain: bytes, now: float) -> None:
+        pos, end = 0, len(plain)
+        view = memoryview(plain)
+        while pos < end:
+            t = plain[pos]
+            if t == CH_SEG:
+                if end - pos < SEG.size:
+                    break
+                _, wire, n = SEG.unpack_from(plain, pos)
+                pos += SEG.size
+                if end - pos < n:
+                    break
+                self._on_segment(wire, view[pos : pos + n])
+                pos += n
+            elif t == CH_ACK:
+                if end - pos < ACK.size:
+                    break
+                _, wire, sack = ACK.unpack_from(plain, pos)
+                pos += ACK.size
+                self._on_ack(wire, sack, now)
+            elif t == CH_DGRAM:
+                if end - pos < DGRAM.size:
+                    break
+                n = DGRAM.unpack_from(plain, pos)[1]
+                pos += DGRAM.size
+                if end - pos < n:
+                    break
+                if self._frames_seen:
+                    self.malformed += iter_frames(bytes(view[pos : pos + n]), self.on_frame)
+                else:
+                    self.unexpected += 1  # before the HELLO (still on its way): the link is not up
+                pos += n
+            elif t == CH_CLOSE:
+                raise LinkError("closed", "peer closed the link")
+            else:
+                break
+        else:
+            return
+        self.malformed += 1
+
+    def _on_segment(self, wire: int, data: memoryview) -> None:
+        self._ack_owed = True
+        seq = _unwrap(wire, self.rcv_next)
+        if seq < self.rcv_next:
+            self.duplicates += 1  # our ACK was lost: the one owed now repairs that
+            return
+        if seq >= self.rcv_next + self._rx_max_segments:
+            self.beyond_window += 1
+            return
+        if seq != self.rcv_next:
+            if seq in self._ooo:
+                self.duplicates += 1
+            else:
+                self._ooo[seq] = bytes(data)
+            return
+        rx = self._rx
+        rx += data
+        nxt = seq + 1
+        ooo = self._ooo
+        while ooo:
+            more = ooo.pop(nxt, None)
+            if more is None:
+                break
+            rx += more
+            nxt += 1
+        self.rcv_next = nxt
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand every whole frame at the front of the stream to on_frame."""
+        rx = self._rx
+        pos, end = 0, len(rx)
+        while end - pos >= FRAME.size:
+            n = FRAME.unpack_from(rx, pos)[3]
+            if end - pos < FRAME.size + n:
+                break
+            pos += FRAME.size + n
+        if not pos:
+            return
+        # copied out so a frame's memoryview stays valid whatever the handler keeps
+        frames = bytes(rx[:pos])
+        del rx[:pos]
+        self._frames_seen = True
+        self.malformed += iter_frames(frames, self.on_frame)
+
+    def _on_ack(self, wire: int, sack: int, now: float) -> None:
+        cum = _unwrap(wire, self.snd_una)
+        if cum > self.snd_nxt or cum < self.snd_una:
+            self.malformed += 1
+            return
+        unacked = self._unacked
+        acked = 0
+        if cum > self.snd_una:
+            newest: list[object] | None = None
+            for seq in range(self.snd_una, cum):
+                seg = unacked.pop(seq, None)
+                if seg is not None:
+                    acked += len(seg[0])  # type: ignore[arg-type]
+                    newest = seg
+            if newest is not None and newest[2] == 1:
+                self._rtt_sample(now - newest[1])  # type: ignore[operator]
+            self.snd_una = cum
+            self._backoff = 0
+            self._rto_at = now + self.rto if unacked else None
+        if sack:
+            base = cum + 1
+            while sack:
+                low = sack & -sack
+                seq = base + low.bit_length() - 1
+                sack ^= low
+                seg = unacked.pop(seq, None)
+                if seg is not None:
+                    acked += len(seg[0])  # type: ignore[arg-type]
+                if seq > self._highest_sacked:
+                    self._highest_sacked = seq
+        if acked:
+            self._inflight -= acked
+            if self.cwnd < self.ssthresh:
+                self.cwnd += acked
+            else:
+                self.cwnd += max(1, self.seg_room * acked // self.cwnd)
+            self.cwnd = min(self.cwnd, self.window)
+        if self._highest_sacked - DUP_THRESH >= self.snd_una and unacked:
+            self._fast_retransmit(now)
+
+    def _fast_retransmit(self, now: float) -> None:
+        limit = self._highest_sacked - DUP_THRESH
+        gate = now - max(self.srtt, 0.001)  # once per RTT per segment
+        lost = False
+        for seq, seg in self._unacked.items():
+            if seq > limit:
+                break
+            if seg[1] <= gate:  # type: ignore[operator]
+                seg[1] = now  # claimed for the next flush; its send time is set again there
+                self._retx.append(seq)
+                lost = True
+        if lost and self.snd_una > self._recover:
+            self._recover = self.snd_nxt
+            self.cwnd = max(self.cwnd // 2, MIN_CWND_SEGMENTS * self.seg_room)
+            self.ssthresh = self.cwnd
+
+    def _rtt_sample(self, rtt: float) -> None:
+        if self.srtt == 0.0:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+        self.rto = min(MAX_RTO, max(MIN_RTO, self.srtt + 4 * self.rttvar))
+
+    # ------------------------------------------------------------------ timers
+
+    def deadline(self) -> float | None:
+        """When `on_timer` wants to run next (None: nothing pending)."""
+        a, b = self._hs_at, self._rto_at
+        if a is None:
+            return b
+        return a if b is None or a < b else b
+
+    def on_timer(self, now: float) -> None:
+        if self._hs_at is not None and now >= self._hs_at:
+            if self._hs_packet is not None and (self._hs is not None or not self.confirmed):
+                self._out.append(self._hs_packet)
+                self._hs_interval *= 2
+                self._hs_at = now + self._hs_interval
+            else:
+                self._hs_at = None
+        if self._rto_at is not None and now >= self._rto_at:
+            if not self._unacked:
+                self._rto_at = None
+                return
+            self._backoff += 1
+            if self._backoff > self.max_retransmits:
+                raise LinkError("retransmits", f"nothing acknowledged after {self.max_retransmits} timeouts")
+            self.ssthresh = max(self._inflight // 2, MIN_CWND_SEGMENTS * self.seg_room)
+            self.cwnd = MIN_CWND_SEGMENTS * self.seg_room
+            self._retx.appendleft(next(iter(self._unacked)))
+            self._rto_at = now + min(MAX_RTO, self.rto * (2 ** self._backoff))
+
+    # ------------------------------------------------------------------ send
+
+    def send_frame(
+        self,
+        ftype: int,
+        flags: int,
+        hop: int,
+        src: int,
+        dst: int,
+        head: bytes | bytearray | memoryview,
+        data: bytes | bytearray | memoryview = b"",
+    ) -> None:
+        """Queue one frame: a DATAGRAM that fits a packet goes unreliably, anything else on
+        the reliable channel (a DATAGRAM too big for one packet as well: it is never split)."""
+        n = len(head) + len(data)
+        if ftype == DATAGRAM and FRAME.size + n + DGRAM.size + ACK.size <= self.plain_room:
+            frame = b"".join((FRAME.pack(ftype, flags, hop, n, src, dst), head, data))
+            self._dgrams.append(frame)
+            self._dgram_bytes += len(frame)
+            return
+        if len(self._tx) + FRAME.size + n > self.queue_limit:
+            raise LinkError("queue_full", f"more than {self.queue_limit} bytes queued on the link")
+        tx = self._tx
+        tx += FRAME.pack(ftype, flags, hop, n, src, dst)
+        tx += head
+        if data:
+            tx += data
+
+    def close(self) -> None:
+        """Tell the peer at the next flush (best effort: one unreliable packet)."""
+        self._close = True
+
+    def wants_flush(self) -> bool:
+        return bool(self._out or self._ack_owed or self._retx or self._dgrams or self._close or (
+            self._tx and self._inflight < min(self.cwnd, self.window)))
+
+    def packets_to_send(self, now: float) -> list[bytes]:
+        """Every packet this session can send now, in order: handshake packets, then data
+        packets (retransmissions first, new segments within the window, datagrams packed
+        into the room left, a pure ACK if nothing else carried one)."""
+        out, self._out = self._out, []
+        send = self.send
+        if send is None:
+            return out
+        ack = self._ack_chunk()
+        prefix = DATA.pack(KIND_DATA, self.peer_id)
+        room = self.plain_room
+        seal = send.seal
+        join = b"".join
+        dgrams = self._dgrams
+        unacked = self._unacked
+        sent_any = False
+        retx = self._retx
+        limit = min(self.cwnd, self.window)
+        while True:
+            parts: list[bytes] = [ack]
+            used = ACK.size
+            seg_seq = -1
+            seg_data = b""
+            while retx:
+                seq = retx.popleft()
+                entry = unacked.get(seq)
+                if entry is not None:
+                    seg_seq = seq
+                    seg_data = entry[0]  # type: ignore[assignment]
+                    entry[1] = now
+                    entry[2] += 1  # type: ignore[operator]
+                    self.retransmits += 1
+                    break
+            if seg_seq < 0 and self._tx and self._inflight < limit:
+                tx = self._tx
+                n = min(len(tx), self.seg_room)
+                seg_data = bytes(tx[:n])
+                del tx[:n]
+                seg_seq = self.snd_nxt
+                self.snd_nxt += 1
+                unacked[seg_seq] = [seg_data, now, 1]
+                self._inflight += n
+                if self._rto_at is None:
+                    self._rto_at = now + self.rto * (2 ** self._backoff)
+            if seg_seq >= 0:
+                parts.append(SEG.pack(CH_SEG, seg_seq & MASK, len(seg_data)))
+                parts.append(seg_data)
+                used += SEG.size + len(seg_data)
+            while dgrams and used + DGRAM.size + len(dgrams[0]) <= room:
+                d = dgrams.popleft()
+                self._dgram_bytes -= len(d)
+                parts.append(DGRAM.pack(CH_DGRAM, len(d)))
+                parts.append(d)
+                used += DGRAM.size + len(d)
+            if len(parts) == 1 and not self._close and (sent_any or not self._ack_owed):
+                break
+            if self._close and used < room:
+                parts.append(bytes((CH_CLOSE,)))
+                self._close = False
+            header, ct = seal(join(parts))
+            out.append(join((prefix, header, ct)))
+            sent_any = True
+            self._ack_owed = False
+        self.packets_out += len(out)
+        return out
+
+    def _ack_chunk(self) -> bytes:
+        sack = 0
+        if self._ooo:
+            base = self.rcv_next + 1
+            ooo = self._ooo
+            for i in range(SACK_BITS):
+                if base + i in ooo:
+                    sack |= 1 << i
+        return ACK.pack(CH_ACK, self.rcv_next & MASK, sack)

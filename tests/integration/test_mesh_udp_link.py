@@ -1,0 +1,191 @@
+"""udp:// links on real loopback sockets: an A—B—C line converges and carries a bulk stream
+and datagrams; GSO batching is used where the kernel has it and the per-packet fallback
+works when switched off; a restarted peer is linked again; strays and wrong secrets learn
+nothing and are counted."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import os
+import socket
+
+import pytest
+
+from meshgate.mesh import link_udp
+from meshgate.mesh.link_udp import UdpLink
+from meshgate.mesh.service import MeshService
+from meshgate.mesh.testing import Collector, converged, node_config, start_node, stop_all, write_all
+from meshgate.mesh.udp_session import INIT_MIN, KIND_DATA, KIND_INIT
+from meshgate.metrics import REGISTRY
+from tests.helpers import async_wait_until
+
+A, B, C = 0xA, 0xB, 0xC
+
+
+def _kernel_gso() -> bool:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        return link_udp.gso_supported(s)
+    finally:
+        s.close()
+
+
+def _udp_links(node: MeshService) -> list[UdpLink]:
+    return [link for links in node.links.values() for link in links if isinstance(link, UdpLink)]
+
+
+async def _sha_server() -> tuple[asyncio.Server, int]:
+    async def echo_sha(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        h = hashlib.sha256()
+        while chunk := await r.read(1 << 16):
+            h.update(chunk)
+        w.write(h.digest())
+        await w.drain()
+        w.close()
+
+    srv = await asyncio.start_server(echo_sha, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+async def _stream_sha(src: MeshService, dst: int, port: int, data: bytes) -> bytes:
+    transport, proto = await src.open_stream(dst, "127.0.0.1", port, Collector)
+    assert isinstance(proto, Collector)
+    await write_all(proto, data)
+    transport.write_eof()  # type: ignore[attr-defined]
+    return await asyncio.wait_for(proto.done, 60)
+
+
+@pytest.mark.parametrize("gso", [True, False], ids=["gso", "per-packet"])
+async def test_udp_line_stream_datagrams_and_gso(gso: bool) -> None:
+    limits = {"udp_link_gso": gso}
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits), B)
+    url = b.listen_addrs[0]
+    assert url.startswith("udp://127.0.0.1:") and not url.endswith(":0")
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits), A)
+    c = await start_node(node_config("c", "10.9.0.3/24", peers=[url], limits=limits), C)
+    nodes = [a, b, c]
+    srv, port = await _sha_server()
+    try:
+        await async_wait_until(lambda: converged(nodes), 15, "routes over udp:// links")
+        route = a.lookup(ipaddress.ip_address("10.9.0.3"))
+        assert route is not None and route.next_hop == B and route.hops == 2
+        assert [p["url"].startswith("udp://127.0.0.1:") for p in b.peers()] == [True, True]
+        data = os.urandom(16 << 20)
+        assert await _stream_sha(a, C, port, data) == hashlib.sha256(data).digest()
+
+        seen: list[bytes] = []
+        c.on_datagram(3, lambda src, p: seen.append(p))
+        sent = [os.urandom(n) for n in (1, 200, 1300, 1300, 9000)]  # 9000: too big for one packet
+        for p in sent:
+            assert a.send_datagram(C, 3, p)
+        await async_wait_until(lambda: sorted(seen) == sorted(sent), 5, "datagrams over two hops")
+
+        links = _udp_links(a) + _udp_links(b) + _udp_links(c)
+        assert len(links) == 4
+        socks = list({id(link.sock): link.sock for link in links}.values())  # b's two share one
+        assert len(socks) == 3
+        batches = sum(s.gso_batches for s in socks)
+        if gso and _kernel_gso():
+            assert all(s.gso for s in socks)
+            assert batches > 0  # the bulk stream left in multi-segment sendmsg calls
+            assert REGISTRY.value("meshgate_mesh_udp_gso_batches_total") >= batches
+        else:
+            assert batches == 0 and not any(s.gso for s in socks)
+        assert sum(s.sent for s in socks) > 2 * (16 << 20) // 1500  # both hops
+    finally:
+        srv.close()
+        await stop_all(nodes)
+
+
+async def test_udp_link_comes_back_after_the_peer_restarts() -> None:
+    limits = {"mesh_ping_interval": 0.2, "mesh_dead_after": 1.0}
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits), B)
+    url = b.listen_addrs[0]
+    port = int(url.rsplit(":", 1)[1])
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits), A)
+    try:
+        await async_wait_until(lambda: converged([a, b]), 10, "first link")
+        await b.stop()  # says CLOSE: a drops the link at once, not at its dead timer
+        await async_wait_until(lambda: not a.links, 5, "link down on a")
+        b = await start_node(
+            node_config("b", "10.9.0.2/24", listen=[f"udp://127.0.0.1:{port}"], limits=limits), B
+        )
+        await async_wait_until(lambda: converged([a, b]), 15, "link re-established")
+        srv, sport = await _sha_server()
+        try:
+            data = os.urandom(1 << 20)
+            assert await _stream_sha(a, B, sport, data) == hashlib.sha256(data).digest()
+        finally:
+            srv.close()
+        # the restarted b holds one session for a: the old one ended when b stopped
+        assert len(_udp_links(b)) == 1
+    finally:
+        await stop_all([a, b])
+
+
+async def test_vanished_peer_is_detected_and_reconnected() -> None:
+    """No CLOSE (the peer's packets simply stop): the ping timeout ends the link, and the
+    configured peer is dialled again once the other side answers."""
+    limits = {"mesh_ping_interval": 0.2, "mesh_dead_after": 1.0}
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits), B)
+    url = b.listen_addrs[0]
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits), A)
+    try:
+        await async_wait_until(lambda: converged([a, b]), 10, "first link")
+        (link,) = _udp_links(a)
+        sock = link.sock
+        sock.on_packet = lambda p, addr: None  # a's side goes deaf: b's pongs never arrive
+        await async_wait_until(lambda: a.stats["link_dead"] >= 1, 5, "dead link noticed")
+        assert sock.closed  # the initiator's socket went with its link
+        await async_wait_until(lambda: converged([a, b]) and _udp_links(a) != [link], 15, "new link")
+    finally:
+        await stop_all([a, b])
+
+
+async def test_strays_and_wrong_secret_learn_nothing() -> None:
+    b = await start_node(
+        node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits={"handshake_timeout": 1.0}), B
+    )
+    url = b.listen_addrs[0]
+    host, port = url.removeprefix("udp://").rsplit(":", 1)
+    bad_cfg = node_config(
+        "bad", "10.9.0.4/24", peers=[url], secret="wrong secret!", limits={"handshake_timeout": 1.0}
+    )
+    bad = await start_node(bad_cfg, 0xBAD)
+    stray = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    stray.setblocking(False)
+    stray.bind(("127.0.0.1", 0))
+    try:
+        dropped = REGISTRY.value("meshgate_mesh_udp_dropped_total", "unknown_peer")
+        malformed = REGISTRY.value("meshgate_mesh_udp_dropped_total", "malformed")
+        for junk in (b"", b"\x00" * 50, bytes((KIND_DATA,)) + os.urandom(60), os.urandom(1400),
+                     bytes((KIND_INIT,)) + b"MGMx\x01" + bytes(20)):
+            stray.sendto(junk, (host, int(port)))
+        await async_wait_until(
+            lambda: REGISTRY.value("meshgate_mesh_udp_dropped_total", "unknown_peer") >= dropped + 3
+            and REGISTRY.value("meshgate_mesh_udp_dropped_total", "malformed") >= malformed + 1,
+            5, "strays counted",
+        )
+        # a well-formed msg1 from a stray gets one msg2, no bigger than what it sent
+        from meshgate.mesh.udp_session import INIT_PADDING, UdpSession
+
+        probe = UdpSession(True, "testnet", b"\x00" * 32, lambda *a: None, 7)
+        probe.start(0.0)
+        (msg1,) = probe.packets_to_send(0.0)
+        assert len(msg1) == INIT_MIN and INIT_PADDING > 0
+        stray.sendto(msg1, (host, int(port)))
+        loop = asyncio.get_running_loop()
+        reply = await asyncio.wait_for(loop.sock_recv(stray, 2048), 5)
+        assert reply[0] == 2 and len(reply) <= len(msg1)
+        await async_wait_until(
+            lambda: b.stats["handshake_failed_handshake"] >= 1 and bad.stats["handshake_failed"] >= 1,
+            15, "wrong secret refused on both sides",
+        )
+        await async_wait_until(lambda: b.stats["handshake_failed_timeout"] >= 1, 5, "stray's handshake ended")
+        assert set(bad.table.records) == {0xBAD} and 0xBAD not in b.table.records
+        assert b.links == {} and bad.links == {}
+    finally:
+        stray.close()
+        await stop_all([b, bad])
