@@ -269,13 +269,17 @@ class UdpSession:
                 raise LinkError("handshake", "handshake failed") from None
             self._send_hs(HS.pack(KIND_FINAL, MAGIC, VERSION, self.local_id, sender) + msg3, now)
             self._finish(hs)
-        elif not self.initiator and kind == KIND_FINAL and hs is not None and sender == self.peer_id:
+        elif not self.initiator and kind == KIND_FINAL and sender == self.peer_id:
+            if hs is None:
+                # msg3 again: our first sealed packet was lost; the ACK owed now confirms
+                self._ack_owed = True
+                return
             try:
                 hs.read_message(body)
             except NoiseError:
                 raise LinkError("handshake", "handshake failed") from None
-            self._hs_at = None
             self._finish(hs)
+            self._ack_owed = True  # a sealed packet at once confirms the handshake to the initiator
         else:
             self.unexpected += 1  # duplicates after the handshake, stray ids
 
@@ -540,7 +544,7 @@ class UdpSession:
 
     def wants_flush(self) -> bool:
         return bool(self._out or self._ack_owed or self._retx or self._dgrams or self._close or (
-            self._tx and self._inflight < min(self.cwnd, self.window)))
+            self._tx and self._inflight + min(len(self._tx), self.seg_room) <= min(self.cwnd, self.window)))
 
     def packets_to_send(self, now: float) -> list[bytes]:
         """Every packet this session can send now, in order: handshake packets, then data
@@ -575,7 +579,7 @@ class UdpSession:
                     entry[2] += 1  # type: ignore[operator]
                     self.retransmits += 1
                     break
-            if seg_seq < 0 and self._tx and self._inflight < limit:
+            if seg_seq < 0 and self._tx and self._inflight + min(len(self._tx), self.seg_room) <= limit:
                 tx = self._tx
                 n = min(len(tx), self.seg_room)
                 seg_data = bytes(tx[:n])
