@@ -57,7 +57,11 @@ GSO_MAX_BYTES = 65000  # below the 64 KB IP datagram limit with headers
 READ_SIZE = 65535  # one read may be a GRO super-packet
 SOCKET_BUFFER = 8 << 20  # a full window in flight must fit the receiver's socket buffer
 GSO_UNSUPPORTED = frozenset((errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP))
-ANC_SIZE = socket.CMSG_SPACE(4)
+ANC_SIZE = 256  # room for a GRO segment size and a packet-info message
+IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)
+IPV6_PKTINFO = getattr(socket, "IPV6_PKTINFO", 50)
+IPV6_RECVPKTINFO = getattr(socket, "IPV6_RECVPKTINFO", 49)
+Cmsg = tuple[int, int, bytes]
 
 _packets = REGISTRY.counter("meshgate_mesh_udp_packets_total", "Packets on udp:// links", ("direction",))
 _gso_batches = REGISTRY.counter(
@@ -95,9 +99,10 @@ class UdpSocket:
         self,
         loop: asyncio.AbstractEventLoop,
         sock: socket.socket,
-        on_packet: Callable[[memoryview, Any], None],
+        on_packet: Callable[[memoryview, Any, Cmsg | None], None],
         limits: LimitsConfig,
         connected: bool,
+        pktinfo: bool = False,
     ) -> None:
         self.loop = loop
         self.sock = sock
@@ -113,9 +118,23 @@ class UdpSocket:
                 self.gro = True
             except OSError:
                 pass
+        # A listener bound to a wildcard address answers from the address each peer sent to
+        # (IP_PKTINFO): the kernel would otherwise pick the source by route, and a peer that
+        # reached us at another of our addresses (a loopback alias, a second interface)
+        # drops the answer on its connected socket.
+        self.pktinfo = False
+        if pktinfo:
+            try:
+                if sock.family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, IPV6_RECVPKTINFO, 1)
+                else:
+                    sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
+                self.pktinfo = True
+            except OSError:
+                pass
         self._buf = bytearray(READ_SIZE)
         self._view = memoryview(self._buf)
-        self._queue: deque[tuple[Any, bytes]] = deque()  # parked by EAGAIN, sent in order
+        self._queue: deque[tuple[Any, Cmsg | None, bytes]] = deque()  # parked by EAGAIN, in order
         self._writing = False
         self.closed = False
         # per-socket counts (tests, status) and their metrics
@@ -149,9 +168,15 @@ class UdpSocket:
             if self.closed:
                 return
             step = n
+            src: Cmsg | None = None
             for level, ctype, data in anc:
                 if level == SOL_UDP and ctype == UDP_GRO:
                     step = int.from_bytes(data[:4] if len(data) >= 4 else data[:2], sys.byteorder)
+                elif level == socket.IPPROTO_IP and ctype == IP_PKTINFO and len(data) >= 12:
+                    # in_pktinfo: ifindex, spec_dst, addr (the header's destination): answer from it
+                    src = (socket.IPPROTO_IP, IP_PKTINFO, bytes(4) + data[8:12] + bytes(4))
+                elif level == socket.IPPROTO_IPV6 and ctype == IPV6_PKTINFO and len(data) >= 16:
+                    src = (socket.IPPROTO_IPV6, IPV6_PKTINFO, data[:16] + bytes(4))
             if step <= 0:
                 step = n
             off = 0
@@ -159,7 +184,7 @@ class UdpSocket:
                 end = min(n, off + step)
                 self.received += 1
                 self._in.add()
-                on_packet(view[off:end], addr)
+                on_packet(view[off:end], addr, src)
                 off = end
                 if self.closed:
                     return
@@ -167,15 +192,17 @@ class UdpSocket:
 
     # ------------------------------------------------------------------ send
 
-    def send(self, addr: Any, packets: list[bytes]) -> None:
+    def send(self, addr: Any, packets: list[bytes], src: Cmsg | None = None) -> None:
+        """Send to `addr` (ignored on a connected socket); `src`: the packet-info control
+        message that picks our source address (listeners on a wildcard address)."""
         if self.closed or not packets:
             return
         if self._queue:
-            self._park(addr, packets, 0)
+            self._park(addr, src, packets, 0)
             return
-        self._send(addr, packets)
+        self._send(addr, src, packets)
 
-    def _send(self, addr: Any, packets: list[bytes]) -> None:
+    def _send(self, addr: Any, src: Cmsg | None, packets: list[bytes]) -> None:
         sock = self.sock
         i, n = 0, len(packets)
         while i < n:
@@ -192,6 +219,8 @@ class UdpSocket:
             try:
                 if j - i > 1:
                     anc = [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))]
+                    if src is not None:
+                        anc.append(src)
                     if self.connected:
                         sock.sendmsg(packets[i:j], anc)
                     else:
@@ -201,10 +230,12 @@ class UdpSocket:
                     _gso_batches.inc()
                 elif self.connected:
                     sock.send(packets[i])
+                elif src is not None:
+                    sock.sendmsg((packets[i],), (src,), 0, addr)
                 else:
                     sock.sendto(packets[i], addr)
             except (BlockingIOError, InterruptedError):
-                self._park(addr, packets, i)
+                self._park(addr, src, packets, i)
                 return
             except OSError as e:
                 if j - i > 1 and e.errno in GSO_UNSUPPORTED:
@@ -218,11 +249,11 @@ class UdpSocket:
             i = j
         self._out.flush()
 
-    def _park(self, addr: Any, packets: list[bytes], start: int) -> None:
+    def _park(self, addr: Any, src: Cmsg | None, packets: list[bytes], start: int) -> None:
         room = self.queue_limit - len(self._queue)
         take = packets[start : start + max(0, room)]
         for p in take:
-            self._queue.append((addr, p))
+            self._queue.append((addr, src, p))
         lost = len(packets) - start - len(take)
         if lost:
             # the reliable channel sends lost segments again; datagrams are lost as on any link
@@ -236,12 +267,12 @@ class UdpSocket:
     def _writable(self) -> None:
         queue = self._queue
         while queue:
-            addr = queue[0][0]
+            addr, src = queue[0][0], queue[0][1]
             batch: list[bytes] = []
-            while queue and queue[0][0] == addr and len(batch) < GSO_MAX_SEGMENTS:
-                batch.append(queue.popleft()[1])
+            while queue and queue[0][0] == addr and queue[0][1] == src and len(batch) < GSO_MAX_SEGMENTS:
+                batch.append(queue.popleft()[2])
             before = len(queue)
-            self._send(addr, batch)
+            self._send(addr, src, batch)
             if len(queue) > before:
                 # parked again (EAGAIN): _send appended them at the end; put them first
                 tail = [queue.pop() for _ in range(len(queue) - before)]
@@ -279,6 +310,7 @@ class UdpLink(LinkBase):
         super().__init__(owner, url, initiator)
         self.sock = sock
         self.addr = addr
+        self.src: Cmsg | None = None  # our source address for this peer (wildcard listeners)
         self.on_gone = on_gone
         # queued reliable bytes above which the link says write_paused, as a TCP transport past
         # its high-water mark does, so the owner prefers another link to the same peer
@@ -367,7 +399,7 @@ class UdpLink(LinkBase):
         packets = s.packets_to_send(self.loop.time())
         if packets:
             self.bytes_out += sum(map(len, packets))
-            self.sock.send(self.addr, packets)
+            self.sock.send(self.addr, packets, self.src)
         queued = s.queued()
         if queued > self.high_water:
             self.write_paused = True
@@ -441,15 +473,16 @@ class UdpListener:
         self.max_sessions = limits.max_peers + limits.max_pending_handshakes
         self.by_id: dict[int, UdpLink] = {}
         self.by_addr: dict[Any, UdpLink] = {}  # the newest session of each source address
-        self.usock = UdpSocket(loop, sock, self._on_packet, limits, connected=False)
+        wildcard = sock.getsockname()[0] in ("0.0.0.0", "::")
+        self.usock = UdpSocket(loop, sock, self._on_packet, limits, connected=False, pktinfo=wildcard)
 
     @property
     def sockname(self) -> Any:
         return self.usock.sock.getsockname()
 
-    def _on_packet(self, packet: memoryview, addr: Any) -> None:
+    def _on_packet(self, packet: memoryview, addr: Any, src: Cmsg | None) -> None:
         if packet and packet[0] == KIND_INIT:
-            self._on_init(packet, addr)
+            self._on_init(packet, addr, src)
             return
         rid = receiver_id(packet)
         link = self.by_id.get(rid) if rid is not None else None
@@ -459,7 +492,7 @@ class UdpListener:
             return
         link.datagram_received(packet)
 
-    def _on_init(self, packet: memoryview, addr: Any) -> None:
+    def _on_init(self, packet: memoryview, addr: Any, src: Cmsg | None) -> None:
         if not is_init(packet):
             _dropped.labels("malformed").inc()
             _rlog.debug(f"init:{addr}", "udp link: malformed handshake from %s", addr)
@@ -481,6 +514,8 @@ class UdpListener:
         while link.local_id in self.by_id:  # 1 in 2^32: draw again rather than shadow a session
             link.session.local_id = int.from_bytes(os.urandom(4), "big") or 1
         link.on_gone = self._gone
+        if src is not None and not (link.sock.family == socket.AF_INET6 and addr[0].startswith("::ffff:")):
+            link.src = src  # (a v4-mapped peer on a dual-stack socket: the kernel's choice)
         self.by_id[link.local_id] = link
         self.by_addr[addr] = link
         link.begin()
@@ -532,7 +567,9 @@ async def connect(
         _sock_buffers(sock)
         sock.connect(addr)
         holder: list[UdpLink] = []
-        usock = UdpSocket(loop, sock, lambda p, _a: holder[0].datagram_received(p), limits, connected=True)
+        usock = UdpSocket(
+            loop, sock, lambda p, _a, _s: holder[0].datagram_received(p), limits, connected=True
+        )
     except BaseException:
         sock.close()
         raise

@@ -78,7 +78,8 @@ DGRAM = struct.Struct("!BH")
 SACK_BITS = 64
 MASK = 0xFFFFFFFF
 
-HS_RESEND = 0.25  # first handshake retransmission; doubles each time
+HS_RESEND = 0.25  # first handshake retransmission; doubles up to HS_RESEND_MAX
+HS_RESEND_MAX = 1.0  # a peer that starts late is reached within a second (msg1 is 126 bytes)
 MIN_RTO = 0.2
 MAX_RTO = 3.0
 INITIAL_RTO = 0.5
@@ -494,7 +495,7 @@ class UdpSession:
         if self._hs_at is not None and now >= self._hs_at:
             if self._hs_packet is not None and (self._hs is not None or not self.confirmed):
                 self._out.append(self._hs_packet)
-                self._hs_interval *= 2
+                self._hs_interval = min(HS_RESEND_MAX, self._hs_interval * 2)
                 self._hs_at = now + self._hs_interval
             else:
                 self._hs_at = None

@@ -241,3 +241,44 @@ def test_cleanup_after_stop_and_after_kill9_restart(topo: Topology) -> None:
     _stop_clean(topo, "a")
     _stop_clean(topo, "c")
     _clean(topo)
+
+
+def test_tun_over_udp_links(tmp_path: Path) -> None:
+    """The same line over udp:// links (meshgate/mesh/link_udp.py): ping and TCP A→C through B,
+    A's exit default route through C does not swallow A's own (marked) UDP link socket."""
+    require_root()
+    t = Topology(f"mgu{os.getpid() % 100000}", tmp_path, loop=LOOP)
+    udp = {"tcp://": "udp://"}
+    confs = {role: conf for role, conf in (("a", A_CONF), ("b", B_CONF), ("c", C_CONF))}
+    try:
+        t.build()
+        for role, conf in confs.items():
+            for old, new in udp.items():
+                conf = conf.replace(old, new)
+            t.config(role, conf)
+        t.spawn("lan-echo", "lan", [sys.executable, "-m", "tests.system.tun_tools", "echo-server",
+                                    "--tcp", f"0.0.0.0:{PORT}", "--udp", f"0.0.0.0:{PORT}"])
+        for role in ("c", "b", "a"):
+            t.start_node(role)
+        try:
+            t.wait_ping("a", "10.144.144.3", timeout=30)
+        except AssertionError:
+            raise AssertionError("udp mesh did not come up:\n" + "\n".join(
+                f"--- {r}\n{t.log(r)}" for r in ("a", "b", "c"))) from None
+        assert t.tool("a", "ping", "10.144.144.3", "--count", "3")["replies"] == 3
+        links = t.nsexec("a", "ss", "-Huanie", "dst", "172.31.9.2").stdout
+        assert "fwmark:0x4d47" in links, f"A's udp link socket is not marked: {links}"
+        wait_until(lambda: "10.1.2.0/24" in t.ip("a", "route", "show", "proto", "77").stdout, timeout=10,
+                   what="proxy-CIDR routes on A")
+        r = t.tool("a", "tcp", "10.1.2.10", PORT, "over-udp-" + "z" * 20000)
+        assert r["ok"] and r["reply"] == "10.1.2.1|over-udp-" + "z" * 20000, r
+        assert t.tool("a", "udp", "10.1.2.10", PORT, "dgram") == {"ok": True, "reply": "10.1.2.1|dgram"}
+        # longer than mesh_dead_after with the exit default route in place: the link stays up
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            assert t.tool("a", "ping", "10.144.144.3", "--count", "1", "--timeout", "1")["replies"] == 1
+            time.sleep(0.5)
+        assert "mesh link down" not in t.log("a")
+        assert "udp://" in t.log("a") and "not implemented" not in t.log("a")
+    finally:
+        t.destroy()
