@@ -7,11 +7,16 @@ Topology (tests/system/tun_topology.py): A — B — C, every node with a TUN de
 Variants, each in its own set of namespaces, alternating per round (bench/common.py):
 
 * `kernel`        iperf3 over the veth pairs themselves, no mesh: the ceiling.
-* `meshgate`      `meshgate run` with the default event loop (uvloop).
+* `meshgate`      `meshgate run` with the default event loop (uvloop), tcp:// links.
 * `meshgate-asyncio` the same with `--loop asyncio`.
+* `meshgate-udp`  udp:// links (meshgate/mesh/link_udp.py), GSO batching on where the
+                  kernel has it; `meshgate-udp-nogso` the same with `limits.udp_link_gso =
+                  false` (one send per packet): the two alternate in every round, so
+                  their paired ratio is the GSO gain.
 * `easytier`      the EasyTier core (PyPI `easytier-pyo3`) in TUN mode, TCP links, same
                   addresses; its STUN lists point at loopback (the namespaces have no
-                  way out anyway). Skipped if the package is missing.
+                  way out anyway). Skipped if the package is missing. `easytier-udp`:
+                  the same over its UDP links.
 
 Metrics: TCP MB/s (iperf3 receiver), UDP packets/s received (1200-byte datagrams,
 unlimited rate, loss reported), and CPU seconds per GiB moved for each node's
@@ -47,6 +52,19 @@ NODE_CONF = {
 # kernel-only targets: B's and C's veth addresses (A routes C's via B with forwarding on)
 KERNEL_DST = {"b": "172.31.1.2", "c": "172.31.2.3"}
 MESH_DST = {"b": "10.144.144.2", "c": "10.144.144.3"}
+
+
+NOGSO = "[limits]\nudp_link_gso = false\n"
+
+
+def node_conf(links: str, extra: str = "") -> dict[str, str]:
+    """The node configs with `links` (tcp or udp) for every link URL."""
+    return {role: text.replace("tcp://", f"{links}://") + extra for role, text in NODE_CONF.items()}
+
+
+def et_conf(links: str) -> dict[str, dict[str, Any]]:
+    return {role: {k: [u.replace("tcp://", f"{links}://") for u in v] if isinstance(v, list) else v
+                   for k, v in spec.items()} for role, spec in ET_CONF.items()}
 
 
 ET_CONF: dict[str, dict[str, Any]] = {
@@ -93,6 +111,8 @@ class Setup:
     mesh: bool
     loop: str = "uvloop"
     easytier: bool = False
+    links: str = "tcp"
+    extra: str = ""  # appended to every node's config
     topo: Topology | None = None
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -108,11 +128,12 @@ class Setup:
             t.ip("c", "route", "add", "172.31.1.0/24", "via", "172.31.2.2")
             return
         if self.easytier:
+            conf = et_conf(self.links)
             for role in ("c", "b", "a"):
-                spec = json.dumps({"name": role, **ET_CONF[role]})
+                spec = json.dumps({"name": role, **conf[role]})
                 self.pids[role] = t.spawn(role, role, [sys.executable, __file__, "--easytier-node", spec]).pid
         else:
-            for role, text in NODE_CONF.items():
+            for role, text in node_conf(self.links, self.extra).items():
                 t.config(role, text)
             for role in ("c", "b", "a"):
                 self.pids[role] = t.start_node(role).pid
@@ -176,11 +197,14 @@ def main() -> int:
         return easytier_node(json.loads(args.easytier_node))
     candidates = [Setup("kernel", mesh=False), Setup("meshgate", mesh=True),
                   Setup("meshgate-asyncio", mesh=True, loop="asyncio"),
-                  Setup("easytier", mesh=True, easytier=True)]
+                  Setup("meshgate-udp", mesh=True, links="udp"),
+                  Setup("meshgate-udp-nogso", mesh=True, links="udp", extra=NOGSO),
+                  Setup("easytier", mesh=True, easytier=True),
+                  Setup("easytier-udp", mesh=True, easytier=True, links="udp")]
     if importlib.util.find_spec("easytier_pyo3") is None:
         print("  easytier: easytier-pyo3 is not installed (pip install easytier-pyo3); skipped",
               file=sys.stderr)
-        candidates.pop()
+        candidates = [s for s in candidates if not s.easytier]
     setups = [s for s in candidates if selected(args, s.name)]
     workdir = Path(tempfile.mkdtemp(prefix="meshgate-bench-tun-"))
     runners: list[Runner] = []

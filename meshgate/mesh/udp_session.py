@@ -1,7 +1,7 @@
 """Sans-I/O session of one udp:// link: handshake in single packets, sealed packets,
 a small reliable in-order channel for control and stream frames, unreliable datagrams.
 
-Wire format (docs/PROTOCOL.md section 2.6 has the full text):
+Wire format (docs/PROTOCOL.md section 2.5 has the full text):
 
     handshake  = kind u8 (1, 2, 3) | MAGIC (4) | VERSION u8 | sender id u32 | receiver id u32 | Noise msg
     data       = kind u8 (4) | receiver id u32 | record header (u32 length, epoch u8, counter u64) | AEAD
