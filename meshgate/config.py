@@ -149,6 +149,7 @@ class DnsConfig:
     cache_size: int = 10000
     records: tuple[tuple[str, str], ...] = ()
     listeners: tuple[DnsListenerConfig, ...] = ()
+    workers: int = 1  # processes answering udp/tcp/dot/doh listeners (SO_REUSEPORT); "auto" = CPU count
 
 
 @dataclass(frozen=True)
@@ -340,6 +341,15 @@ def _positive_int(value: object) -> int:
     if value <= 0:
         raise ValueError(f"must be positive, got {value}")
     return value
+
+
+def _dns_workers(value: object) -> int:
+    if value == "auto":
+        return os.cpu_count() or 1
+    n = _positive_int(value)
+    if n > 64:
+        raise ValueError(f"at most 64 worker processes, got {n}")
+    return n
 
 
 def _positive_float(value: object) -> float:
@@ -609,7 +619,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
     )
 
     d = _section(r, raw, "dns")
-    r.table(d, "dns.", ["zone", "upstreams", "cache_size", "records", "listener"])
+    r.table(d, "dns.", ["zone", "upstreams", "cache_size", "records", "listener", "workers"])
     records_raw = d.get("records", {})
     records: list[tuple[str, str]] = []
     if not isinstance(records_raw, dict):
@@ -636,6 +646,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         cache_size=r.value(d, "dns.", "cache_size", _positive_int, base.dns.cache_size),
         records=tuple(records) or base.dns.records,
         listeners=tuple(listeners) if "listener" in d else base.dns.listeners,
+        workers=r.value(d, "dns.", "workers", _dns_workers, base.dns.workers),
     )
 
     tun = r.dataclass_fields(_section(r, raw, "tun"), "tun.", base.tun)

@@ -161,6 +161,10 @@ class CounterFamily(_Family):
     def value(self) -> int:
         return self.labels().value
 
+    def children(self) -> list[tuple[tuple[str, ...], Counter]]:
+        """(label values, counter) pairs: for per-listener views and merging other processes' counts."""
+        return [(k, c) for k, c in list(self._children.items()) if isinstance(c, Counter)]
+
     def expose(self) -> Iterable[str]:
         yield from super().expose()
         for values, c in sorted(self._children.items()):
@@ -264,6 +268,10 @@ class Registry:
         fam = self._get(name, HistogramFamily, help, labelnames, buckets)
         assert isinstance(fam, HistogramFamily)
         return fam
+
+    def counter_families(self) -> list[CounterFamily]:
+        with self._lock:
+            return [f for f in self._families.values() if isinstance(f, CounterFamily)]
 
     def expose(self) -> str:
         with self._lock:

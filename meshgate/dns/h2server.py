@@ -447,11 +447,12 @@ def _release(body: Body, ok: bool) -> None:
 
 
 async def start_h2(handler: Handler, stats: ListenerStats, limits: LimitsConfig, host: str, port: int,
-                   ssl: Any) -> tuple[asyncio.Server, set[H2ServerProtocol]]:
+                   ssl: Any, *, reuse_port: bool = False) -> tuple[asyncio.Server, set[H2ServerProtocol]]:
     loop = asyncio.get_running_loop()
     conns: set[H2ServerProtocol] = set()
     server = await loop.create_server(
         lambda: H2ServerProtocol(handler, stats, limits, conns), host, port, ssl=ssl, backlog=1024,
+        reuse_port=reuse_port or None,
         ssl_handshake_timeout=limits.dns_tcp_idle_timeout if ssl is not None else None,
     )
     return server, conns

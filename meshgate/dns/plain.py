@@ -211,20 +211,22 @@ class StreamDnsProtocol(asyncio.Protocol):
 
 
 async def start_udp(pipeline: Pipeline, stats: ListenerStats, host: str,
-                    port: int) -> asyncio.DatagramTransport:
+                    port: int, *, reuse_port: bool = False) -> asyncio.DatagramTransport:
     loop = asyncio.get_running_loop()
     transport, _ = await loop.create_datagram_endpoint(
-        lambda: UdpDnsProtocol(pipeline, stats), local_addr=(host, port)
+        lambda: UdpDnsProtocol(pipeline, stats), local_addr=(host, port), reuse_port=reuse_port or None
     )
     return transport
 
 
 async def start_stream(pipeline: Pipeline, stats: ListenerStats, limits: LimitsConfig, host: str, port: int,
-                       ssl: Any = None) -> tuple[asyncio.Server, set[StreamDnsProtocol]]:
+                       ssl: Any = None, *, reuse_port: bool = False
+                       ) -> tuple[asyncio.Server, set[StreamDnsProtocol]]:
     loop = asyncio.get_running_loop()
     conns: set[StreamDnsProtocol] = set()
     server = await loop.create_server(
         lambda: StreamDnsProtocol(pipeline, stats, limits, conns), host, port, ssl=ssl, backlog=1024,
+        reuse_port=reuse_port or None,
         ssl_handshake_timeout=limits.dns_tcp_idle_timeout if ssl is not None else None,
     )
     return server, conns

@@ -81,7 +81,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ local data
 
-    def _name_table(self) -> dict[str, tuple[Any, Any]]:
+    def name_table(self) -> dict[str, tuple[Any, Any]]:
+        """Mesh node names -> (IPv4, IPv6): what `<name>.<zone>` answers (pushed to DNS workers)."""
         mesh = getattr(self.node, "mesh", None) if self.node is not None else None
         if mesh is not None:
             table: dict[str, tuple[Any, Any]] = mesh.name_table()
@@ -114,7 +115,7 @@ class Pipeline:
         label_len = name[0]
         if 1 + label_len + len(zone) == len(name):
             label = name[1 : 1 + label_len].decode("ascii", "replace")
-            for node_name, (v4, v6) in self._name_table().items():
+            for node_name, (v4, v6) in self.name_table().items():
                 if node_name.lower() != label:
                     continue
                 mrr: list[tuple[int, int, bytes]] = []
@@ -125,6 +126,10 @@ class Pipeline:
                 return wire.build_answer(q.question, wire.NOERROR, aa=True, answers=mrr,
                                          authority=[] if mrr else neg)
         return wire.build_answer(q.question, wire.NXDOMAIN, aa=True, authority=neg)
+
+    def names_changed(self) -> None:
+        """Forget memoised local answers (a DNS worker got a new name table: answer it now)."""
+        self._memo.clear()
 
     def lookup(self, q: Query, now: float) -> Answer | None:
         """Everything answerable without the network; None means ask upstream."""

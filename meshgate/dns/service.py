@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -30,9 +31,15 @@ def listener_url(lst: DnsListenerConfig, hp: HostPort | None = None) -> str:
 class DnsService:
     name = "dns"
 
-    def __init__(self, node: Any) -> None:
+    def __init__(self, node: Any, *, worker: bool = False) -> None:
         self.node = node
         self.config = node.config
+        # dns.workers > 1: shared listeners bind with SO_REUSEPORT and a WorkerPool runs the
+        # other processes. `worker` is True inside one of those processes (dns/worker.py).
+        self.worker = worker
+        self.reuse_port = worker or self.config.dns.workers > 1
+        self.pool: Any = None  # meshgate.dns.worker.WorkerPool
+        self._shared: list[DnsListenerConfig] = []  # what the workers bind: bound ports, cert paths
         self.pipeline = Pipeline(self.config, node)
         node.resolver = self.pipeline
         self.urls: list[str] = []
@@ -55,6 +62,13 @@ class DnsService:
                     await self._start_listener(i, lst)
                 except OSError as e:
                     raise bind_error(f"dns.listener[{i}].listen", lst.listen, e) from None
+            if self._shared and not self.worker and self.config.dns.workers > 1:
+                from meshgate.dns.worker import WorkerPool, worker_config
+
+                cfg = worker_config(self.config, self._shared)
+                self.pool = WorkerPool(cfg, self.config.dns.workers, self.pipeline.name_table,
+                                       self.pipeline.names_changed)
+                await self.pool.start()
         except BaseException:
             await self.stop()
             raise
@@ -66,26 +80,29 @@ class DnsService:
         host, port = lst.listen.host, lst.listen.port
         stats = ListenerStats(listener_url(lst))
         actual: HostPort | None = None
+        reuse = self.reuse_port
+        tls: tuple[str, str] | None = None
         if lst.protocol == "udp":
-            transport = await plain.start_udp(self.pipeline, stats, host, port)
+            transport = await plain.start_udp(self.pipeline, stats, host, port, reuse_port=reuse)
             self._closers.append(transport)
             actual = _bound(transport.get_extra_info("sockname"))
         elif lst.protocol in ("tcp", "dot"):
             ssl = None
             if lst.protocol == "dot":
-                c, k = self._tls_files(lst)
+                c, k = tls = self._tls_files(lst)
                 ssl = certs.server_context(Path(c), Path(k), alpn=["dot"])
-            server, conns = await plain.start_stream(self.pipeline, stats, limits, host, port, ssl)
+            server, conns = await plain.start_stream(self.pipeline, stats, limits, host, port, ssl,
+                                                     reuse_port=reuse)
             self._closers.append(server)
             self._conn_sets.append(conns)
             actual = _bound(server.sockets[0].getsockname())
         elif lst.protocol == "doh":
             from meshgate.dns.h2server import start_h2
 
-            c, k = self._tls_files(lst)
+            c, k = tls = self._tls_files(lst)
             ssl = certs.server_context(Path(c), Path(k), alpn=["h2"])
             app = DohApp(self.pipeline, stats, lst.path)
-            server, hconns = await start_h2(app, stats, limits, host, port, ssl)
+            server, hconns = await start_h2(app, stats, limits, host, port, ssl, reuse_port=reuse)
             self._closers.append(server)
             self._conn_sets.append(hconns)
             actual = _bound(server.sockets[0].getsockname())
@@ -109,10 +126,20 @@ class DnsService:
             url = getattr(handle, "url", None)
             self.urls.append(url if isinstance(url, str) else listener_url(lst))
             return
+        stats.rename(listener_url(lst, actual))
         self.stats[listener_url(lst, actual)] = stats
         self.urls.append(listener_url(lst, actual))
+        if actual is not None and lst.protocol in ("udp", "tcp", "dot", "doh"):
+            # Workers bind the port this process got (port 0 in the config included) and load
+            # the certificate this process generated: one certificate for every process.
+            if tls is not None:
+                lst = dataclasses.replace(lst, cert=tls[0], key=tls[1])
+            self._shared.append(dataclasses.replace(lst, listen=actual))
 
     async def stop(self) -> None:
+        if self.pool is not None:
+            await self.pool.stop()
+            self.pool = None
         for c in reversed(self._closers):
             try:
                 close = c.close()
@@ -144,6 +171,7 @@ class DnsService:
             "upstreams": [u.url for u in self.pipeline.upstreams],
             "cache_entries": len(self.pipeline.cache),
             "listeners": {url: st.snapshot() for url, st in self.stats.items()},
+            **({"workers": self.pool.status()} if self.pool is not None else {}),
         }
 
 

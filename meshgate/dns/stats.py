@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from meshgate.dns.wire import RCODE_NAMES
-from meshgate.metrics import REGISTRY, Counter
+from meshgate.metrics import REGISTRY, Counter, CounterFamily
 
 _queries = REGISTRY.counter("meshgate_dns_queries_total", "DNS queries received", ("listener",))
 _responses = REGISTRY.counter(
@@ -27,6 +27,16 @@ class ListenerStats:
         self._drops: dict[str, Counter] = {}
         self._errors: dict[str, Counter] = {}
 
+    def rename(self, name: str) -> None:
+        """Label by the bound address once known (a listener configured with port 0); DNS workers
+        label theirs with the bound address, so both count under one name."""
+        if name != self.name:
+            self.name = name
+            self.queries = _queries.labels(name)
+            self._responses.clear()
+            self._drops.clear()
+            self._errors.clear()
+
     def response(self, rcode: int) -> None:
         c = self._responses.get(rcode)
         if c is None:
@@ -46,9 +56,14 @@ class ListenerStats:
         c.inc()
 
     def snapshot(self) -> dict[str, object]:
+        # Read from the families, not this object's own children: with dns.workers > 1 the
+        # counts other processes reported are merged into the same families (dns/worker.py).
         return {
             "queries": self.queries.value,
-            "responses": {RCODE_NAMES.get(k, str(k)): c.value for k, c in self._responses.items()},
-            "drops": {k: c.value for k, c in self._drops.items()},
-            "errors": {k: c.value for k, c in self._errors.items()},
+            "responses": self._by(_responses),
+            "drops": self._by(_drops),
+            "errors": self._by(_errors),
         }
+
+    def _by(self, family: CounterFamily) -> dict[str, int]:
+        return {values[1]: c.value for values, c in family.children() if values[0] == self.name}
