@@ -312,6 +312,7 @@ class UdpLink(LinkBase):
         self.addr = addr
         self.src: Cmsg | None = None  # our source address for this peer (wildcard listeners)
         self.on_gone = on_gone
+        self.on_up: Callable[[UdpLink], None] | None = None  # the handshake completed
         # queued reliable bytes above which the link says write_paused, as a TCP transport past
         # its high-water mark does, so the owner prefers another link to the same peer
         self.high_water = limits.mesh_link_buffer
@@ -342,6 +343,8 @@ class UdpLink(LinkBase):
         hello = self.owner.hello
         # the HELLO is the first frame on the reliable channel, as on a byte-pipe link
         self.session.send_frame(HELLO, 0, 1, hello.node_id, 0, encode_hello(hello))
+        if self.on_up is not None:
+            self.on_up(self)
 
     # ------------------------------------------------------------------ packets in
 
@@ -514,12 +517,21 @@ class UdpListener:
         while link.local_id in self.by_id:  # 1 in 2^32: draw again rather than shadow a session
             link.session.local_id = int.from_bytes(os.urandom(4), "big") or 1
         link.on_gone = self._gone
+        link.on_up = self._up
         if src is not None and not (link.sock.family == socket.AF_INET6 and addr[0].startswith("::ffff:")):
             link.src = src  # (a v4-mapped peer on a dual-stack socket: the kernel's choice)
         self.by_id[link.local_id] = link
         self.by_addr[addr] = link
         link.begin()
         link.datagram_received(packet)
+
+    def _up(self, link: UdpLink) -> None:
+        """A new session from an address ends the older ones from it: one socket holds one
+        session, so the peer behind that address restarted (or redialled) and the old
+        session is dead; without this it would linger until the ping timeout."""
+        for other in [o for o in self.by_id.values() if o.addr == link.addr and o is not link]:
+            _rlog.debug(f"superseded:{link.addr}", "udp link %s: new session replaces the old one", link.url)
+            other.close()
 
     def _gone(self, link: UdpLink) -> None:
         if self.by_id.get(link.local_id) is link:
