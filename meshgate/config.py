@@ -208,6 +208,7 @@ class LimitsConfig:
     doq_stream_timeout: float = 5.0
     buffer_pool_size: int = 1024
     admin_max_clients: int = 64
+    memory_trim_interval: float = 10.0  # seconds between returns of freed heap to the kernel; 0 = off
     odoh_proxy_max_connections: int = 64  # pooled HTTP/2 connections from an ODoH proxy to targets
     odoh_proxy_timeout: float = 5.0  # connect + answer deadline for one forwarded ODoH query
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from meshgate import __version__
 from meshgate.config import Config, HostPort
+from meshgate.memory import Trimmer
 
 log = logging.getLogger("meshgate.node")
 
@@ -46,6 +47,7 @@ class Node:
         self.mesh: Any = None  # meshgate.mesh.service.MeshService when the mesh is on
         self.resolver: Any = None  # meshgate.dns.resolver pipeline when DNS is on
         self.dialer: Any = None  # meshgate.gateway.dialer.Dialer
+        self.trimmer = Trimmer(config.limits.memory_trim_interval)
         self.udp_hub: Any = None  # meshgate.mesh.udp_relay.UdpHub on mesh nodes
         self._stopped = asyncio.Event()
 
@@ -96,6 +98,7 @@ class Node:
                 up.node = self
 
     async def start(self) -> None:
+        self.trimmer.start()
         for svc in self._plan():
             try:
                 await svc.start()
@@ -111,6 +114,7 @@ class Node:
                 UdpHub.for_node(self)
 
     async def stop(self) -> None:
+        self.trimmer.stop()
         if self.udp_hub is not None:
             self.udp_hub.close()
             self.udp_hub = None
