@@ -3,14 +3,14 @@
 Sections (each one table, medians of alternating rounds via bench/common.py):
 
 * **stream**: one mesh stream uploads SIZE MiB (default 512) to a sink on the
-  far node's loopback, over TCP links between processes: this process is the
-  client node A; relay B and far node C are `meshgate run` child processes;
-  the sink is a child process too. `direct` is plain loopback TCP to the same
-  sink in the same run. Reported: MB/s, CPU seconds per GiB for every
-  meshgate process (A, B, C summed, and per node), peak RSS of B and C.
+  far node's loopback, over TCP links between processes (`mesh-*`) and over
+  udp:// links (`udp-*`): this process is the client node A; relay B and far
+  node C are `meshgate run` child processes; the sink is a child process too.
+  `direct` is plain loopback TCP to the same sink in the same run. Reported:
+  MB/s, CPU seconds per GiB for every meshgate process (A, B, C summed, and per node), peak RSS of B and C.
   Also the in-process ring (all nodes in this process, one core).
 * **datagram**: 1,400-byte datagrams A->B (one hop) and A->B->C (two hops),
-  in-process, over ring and TCP links: delivered packets/s, loss, and
+  in-process, over ring, TCP and UDP links: delivered packets/s, loss, and
   tracemalloc blocks/bytes per datagram.
 * **routing**: graph rebuild time for 50/200/1,000-node random graphs
   (sans-I/O RouteTable.build), and convergence time of N in-process
@@ -137,21 +137,23 @@ def serve_sink(port: int) -> None:
 class Children:
     """Relay B and far node C as `meshgate run` processes, plus the sink."""
 
-    def __init__(self) -> None:
+    def __init__(self, scheme: str = "tcp") -> None:
+        self.scheme = scheme  # the link type: tcp or udp
         self.tmp = tempfile.TemporaryDirectory(prefix="meshbench-")
         self.sink_port = free_port()
-        self.b_port, self.c_port = free_port(), free_port()
+        self.b_port, self.c_port = free_port(), free_port()  # free for TCP; UDP alike in practice
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def _node(self, name: str, ip: str, port: int, peers: list[int]) -> subprocess.Popen[bytes]:
         state = Path(self.tmp.name) / name
         state.mkdir()
         (state / "mesh-node-id").write_text(f"{IDS[name]:08x}\n")
-        peer_list = ", ".join(f'"tcp://127.0.0.1:{p}"' for p in peers)
+        s = self.scheme
+        peer_list = ", ".join(f'"{s}://127.0.0.1:{p}"' for p in peers)
         cfg = Path(self.tmp.name) / f"{name}.toml"
         cfg.write_text(
             f'[node]\nname = "{name}"\nnetwork = "bench"\nsecret = "bench secret"\nipv4 = "{ip}/24"\n'
-            f'state_dir = "{state}"\n[mesh]\nlisten = ["tcp://127.0.0.1:{port}"]\npeers = [{peer_list}]\n'
+            f'state_dir = "{state}"\n[mesh]\nlisten = ["{s}://127.0.0.1:{port}"]\npeers = [{peer_list}]\n'
             f"[socks5]\nenable = false\n[admin]\nenable = false\n"
         )
         return subprocess.Popen(
@@ -165,7 +167,8 @@ class Children:
         )
         self.procs["b"] = self._node("b", "10.99.0.2", self.b_port, [])
         self.procs["c"] = self._node("c", "10.99.0.3", self.c_port, [self.b_port])
-        for port in (self.sink_port, self.b_port, self.c_port):
+        # udp:// listeners have no port to probe: A's route wait (stream_mesh) covers them
+        for port in (self.sink_port, self.b_port, self.c_port)[: 1 if self.scheme == "udp" else 3]:
             wait_port("127.0.0.1", port, 20)
 
     def cpu(self, name: str) -> float:
@@ -216,7 +219,7 @@ def stream_mesh(ch: Children, size: int, hops: int) -> Metrics:
     peer = ch.c_port if hops == 1 else ch.b_port
 
     async def go() -> float:
-        cfg = node_config("a", "10.99.0.1/24", peers=[f"tcp://127.0.0.1:{peer}"], network="bench",
+        cfg = node_config("a", "10.99.0.1/24", peers=[f"{ch.scheme}://127.0.0.1:{peer}"], network="bench",
                           secret="bench secret")
         a = MeshService(cfg, node_id=IDS["a"])
         await a.start()
@@ -287,7 +290,7 @@ async def _datagram_mesh(kind: str, hops: int) -> tuple[list[MeshService], int]:
             name = ring_name("dg")
             listen = [f"ring://{name}"]
         else:
-            listen = ["tcp://127.0.0.1:0"]
+            listen = [f"{kind}://127.0.0.1:0"]
         cfg = node_config(f"n{i}", listen=listen, peers=[prev] if prev else [])
         n = MeshService(cfg, node_id=i + 1)
         await n.start()
@@ -631,17 +634,22 @@ def main() -> None:
     runners: list[Runner] = []
 
     if "stream" in sections:
-        ch = Children()
-        ch.start()
+        ch, chu = Children(), Children("udp")
         try:
-            r = Runner(f"stream upload {args.size} MiB, TCP links between processes", args.rounds, "direct")
+            ch.start()
+            chu.start()
+            r = Runner(f"stream upload {args.size} MiB, TCP and UDP links between processes", args.rounds,
+                       "direct")
             r.add("direct", lambda: stream_direct(ch, size))
             r.add("mesh-1hop", lambda: stream_mesh(ch, size, 1))
             r.add("mesh-2hop", lambda: stream_mesh(ch, size, 2))
+            r.add("udp-1hop", lambda: stream_mesh(chu, size, 1))
+            r.add("udp-2hop", lambda: stream_mesh(chu, size, 2))
             r.run()
             runners.append(r)
         finally:
             ch.stop()
+            chu.stop()
         r = Runner(f"stream upload {args.size} MiB, ring links, all nodes in one process", args.rounds)
         r.add("ring-1hop", lambda: stream_ring(size, 1))
         r.add("ring-2hop", lambda: stream_ring(size, 2))
@@ -650,7 +658,7 @@ def main() -> None:
 
     if "datagram" in sections:
         r = Runner("datagrams of 1,400 bytes, in-process", args.rounds)
-        for kind in ("ring", "tcp"):
+        for kind in ("ring", "tcp", "udp"):
             for hops in (1, 2):
                 r.add(f"{kind}-{hops}hop", functools.partial(datagram_rate, kind, hops, args.seconds))
         r.run()

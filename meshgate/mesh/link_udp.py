@@ -63,15 +63,15 @@ IPV6_PKTINFO = getattr(socket, "IPV6_PKTINFO", 50)
 IPV6_RECVPKTINFO = getattr(socket, "IPV6_RECVPKTINFO", 49)
 Cmsg = tuple[int, int, bytes]
 
-_packets = REGISTRY.counter("meshgate_mesh_udp_packets_total", "Packets on udp:// links", ("direction",))
+_packets = REGISTRY.counter("meshgate_mesh_udp_link_packets_total", "Packets on udp:// links", ("direction",))
 _gso_batches = REGISTRY.counter(
-    "meshgate_mesh_udp_gso_batches_total", "sendmsg calls with UDP_SEGMENT (several packets each)"
+    "meshgate_mesh_udp_link_gso_batches_total", "sendmsg calls with UDP_SEGMENT (several packets each)"
 )
 _retransmits = REGISTRY.counter(
-    "meshgate_mesh_udp_retransmits_total", "Reliable segments sent again on udp:// links"
+    "meshgate_mesh_udp_link_retransmits_total", "Reliable segments sent again on udp:// links"
 )
 _dropped = REGISTRY.counter(
-    "meshgate_mesh_udp_dropped_total", "Packets dropped on udp:// links", ("reason",)
+    "meshgate_mesh_udp_link_dropped_total", "Packets dropped on udp:// links", ("reason",)
 )
 
 

@@ -90,7 +90,7 @@ async def test_udp_line_stream_datagrams_and_gso(gso: bool) -> None:
         if gso and _kernel_gso():
             assert all(s.gso for s in socks)
             assert batches > 0  # the bulk stream left in multi-segment sendmsg calls
-            assert REGISTRY.value("meshgate_mesh_udp_gso_batches_total") >= batches
+            assert REGISTRY.value("meshgate_mesh_udp_link_gso_batches_total") >= batches
         else:
             assert batches == 0 and not any(s.gso for s in socks)
         assert sum(s.sent for s in socks) > 2 * (16 << 20) // 1500  # both hops
@@ -158,14 +158,14 @@ async def test_strays_and_wrong_secret_learn_nothing() -> None:
     stray.setblocking(False)
     stray.bind(("127.0.0.1", 0))
     try:
-        dropped = REGISTRY.value("meshgate_mesh_udp_dropped_total", "unknown_peer")
-        malformed = REGISTRY.value("meshgate_mesh_udp_dropped_total", "malformed")
+        dropped = REGISTRY.value("meshgate_mesh_udp_link_dropped_total", "unknown_peer")
+        malformed = REGISTRY.value("meshgate_mesh_udp_link_dropped_total", "malformed")
         for junk in (b"", b"\x00" * 50, bytes((KIND_DATA,)) + os.urandom(60), os.urandom(1400),
                      bytes((KIND_INIT,)) + b"MGMx\x01" + bytes(20)):
             stray.sendto(junk, (host, int(port)))
         await async_wait_until(
-            lambda: REGISTRY.value("meshgate_mesh_udp_dropped_total", "unknown_peer") >= dropped + 3
-            and REGISTRY.value("meshgate_mesh_udp_dropped_total", "malformed") >= malformed + 1,
+            lambda: REGISTRY.value("meshgate_mesh_udp_link_dropped_total", "unknown_peer") >= dropped + 3
+            and REGISTRY.value("meshgate_mesh_udp_link_dropped_total", "malformed") >= malformed + 1,
             5, "strays counted",
         )
         # a well-formed msg1 from a stray gets one msg2, no bigger than what it sent
