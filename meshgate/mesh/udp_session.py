@@ -179,6 +179,7 @@ class UdpSession:
         self.rcv_next = 0
         self._ooo: dict[int, bytes] = {}
         self._rx = bytearray()  # in-order stream bytes not yet a whole frame
+        self._need = FRAME.size  # bytes _rx must hold before the next frame is whole
         self._rx_max_segments = self.window // self.seg_room + SACK_BITS
         self._ack_owed = False
         self._frames_seen = False  # datagrams wait for the first reliable frame (the HELLO)
@@ -399,17 +400,21 @@ class UdpSession:
             rx += more
             nxt += 1
         self.rcv_next = nxt
-        self._deliver()
+        if len(rx) >= self._need:
+            self._deliver()
 
     def _deliver(self) -> None:
         """Hand every whole frame at the front of the stream to on_frame."""
         rx = self._rx
         pos, end = 0, len(rx)
+        need = FRAME.size
         while end - pos >= FRAME.size:
-            n = FRAME.unpack_from(rx, pos)[3]
-            if end - pos < FRAME.size + n:
+            need = FRAME.size + FRAME.unpack_from(rx, pos)[3]
+            if end - pos < need:
                 break
-            pos += FRAME.size + n
+            pos += need
+            need = FRAME.size
+        self._need = need  # a 64 KB frame spans ~46 segments: parse its header once, not 46 times
         if not pos:
             return
         # copied out so a frame's memoryview stays valid whatever the handler keeps
@@ -419,6 +424,8 @@ class UdpSession:
         self.malformed += iter_frames(frames, self.on_frame)
 
     def _on_ack(self, wire: int, sack: int, now: float) -> None:
+        if not sack and wire == self.snd_una & MASK:
+            return  # nothing new (every packet of a one-way bulk transfer carries this one)
         cum = _unwrap(wire, self.snd_una)
         if cum > self.snd_nxt or cum < self.snd_una:
             self.malformed += 1
@@ -557,61 +564,78 @@ class UdpSession:
             return out
         ack = self._ack_chunk()
         prefix = DATA.pack(KIND_DATA, self.peer_id)
-        room = self.plain_room
         seal = send.seal
         join = b"".join
         dgrams = self._dgrams
         unacked = self._unacked
-        sent_any = False
+        n_before = len(out)
         retx = self._retx
-        limit = min(self.cwnd, self.window)
-        while True:
-            parts: list[bytes] = [ack]
-            used = ACK.size
-            seg_seq = -1
-            seg_data = b""
-            while retx:
-                seq = retx.popleft()
-                entry = unacked.get(seq)
-                if entry is not None:
-                    seg_seq = seq
-                    seg_data = entry[0]  # type: ignore[assignment]
-                    entry[1] = now
-                    entry[2] += 1  # type: ignore[operator]
-                    self.retransmits += 1
+        while retx:
+            seq = retx.popleft()
+            entry = unacked.get(seq)
+            if entry is not None:
+                data: bytes = entry[0]  # type: ignore[assignment]
+                entry[1] = now
+                entry[2] += 1  # type: ignore[operator]
+                self.retransmits += 1
+                out.append(self._packet(prefix, [ack, SEG.pack(CH_SEG, seq & MASK, len(data)), data]))
+        tx = self._tx
+        if tx:
+            # the bulk path: one full segment per packet, locals only
+            limit = min(self.cwnd, self.window)
+            seg_room = self.seg_room
+            inflight = self._inflight
+            snd_nxt = self.snd_nxt
+            pack_seg = SEG.pack
+            if self._rto_at is None:
+                self._rto_at = now + self.rto * (2 ** self._backoff)
+            while tx:
+                n = len(tx)
+                if n > seg_room:
+                    n = seg_room
+                if inflight + n > limit:
                     break
-            if seg_seq < 0 and self._tx and self._inflight + min(len(self._tx), self.seg_room) <= limit:
-                tx = self._tx
-                n = min(len(tx), self.seg_room)
-                seg_data = bytes(tx[:n])
-                del tx[:n]
-                seg_seq = self.snd_nxt
-                self.snd_nxt += 1
-                unacked[seg_seq] = [seg_data, now, 1]
-                self._inflight += n
-                if self._rto_at is None:
-                    self._rto_at = now + self.rto * (2 ** self._backoff)
-            if seg_seq >= 0:
-                parts.append(SEG.pack(CH_SEG, seg_seq & MASK, len(seg_data)))
-                parts.append(seg_data)
-                used += SEG.size + len(seg_data)
-            while dgrams and used + DGRAM.size + len(dgrams[0]) <= room:
-                d = dgrams.popleft()
-                self._dgram_bytes -= len(d)
-                parts.append(DGRAM.pack(CH_DGRAM, len(d)))
-                parts.append(d)
-                used += DGRAM.size + len(d)
-            if len(parts) == 1 and not self._close and (sent_any or not self._ack_owed):
-                break
-            if self._close and used < room:
-                parts.append(bytes((CH_CLOSE,)))
-                self._close = False
-            header, ct = seal(join(parts))
-            out.append(join((prefix, header, ct)))
-            sent_any = True
-            self._ack_owed = False
+                seg = tx[:n]
+                del tx[:n]  # from the front of a bytearray: no memmove
+                unacked[snd_nxt] = [seg, now, 1]
+                parts: list[bytes | bytearray] = [ack, pack_seg(CH_SEG, snd_nxt & MASK, n), seg]
+                snd_nxt += 1
+                inflight += n
+                if dgrams:
+                    out.append(self._packet(prefix, parts))
+                else:
+                    header, ct = seal(join(parts))
+                    out.append(join((prefix, header, ct)))
+            self._inflight = inflight
+            self.snd_nxt = snd_nxt
+            if not unacked:
+                self._rto_at = None
+        while dgrams:
+            out.append(self._packet(prefix, [ack]))
+        if self._close or (len(out) == n_before and self._ack_owed):
+            out.append(self._packet(prefix, [ack]))  # a pure ACK (or the CLOSE)
+        self._ack_owed = False
         self.packets_out += len(out)
         return out
+
+    def _packet(self, prefix: bytes, parts: list[bytes | bytearray]) -> bytes:
+        """Seal one data packet: `parts` (ACK, maybe a segment) plus the queued datagrams
+        that fit the room left, plus CLOSE if the link is closing."""
+        used = sum(map(len, parts))
+        room = self.plain_room
+        dgrams = self._dgrams
+        while dgrams and used + DGRAM.size + len(dgrams[0]) <= room:
+            d = dgrams.popleft()
+            self._dgram_bytes -= len(d)
+            parts.append(DGRAM.pack(CH_DGRAM, len(d)))
+            parts.append(d)
+            used += DGRAM.size + len(d)
+        if self._close and used < room:
+            parts.append(bytes((CH_CLOSE,)))
+            self._close = False
+        assert self.send is not None
+        header, ct = self.send.seal(b"".join(parts))
+        return b"".join((prefix, header, ct))
 
     def _ack_chunk(self) -> bytes:
         sack = 0
