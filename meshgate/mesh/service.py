@@ -170,6 +170,12 @@ class MeshService:
         limits = self.config.limits
         self.mux = StreamMux(self.loop, self.send, limits.stream_window, limits.max_streams_per_peer)
         self.mux.on_open = self._on_open
+        urls = (*self.config.mesh.listen, *self.config.mesh.peers)
+        if any(u.scheme == "udp" for u in urls) and limits.udp_link_mtu < 576:
+            from meshgate.node import StartupError
+
+            mtu = limits.udp_link_mtu
+            raise StartupError(f"limits.udp_link_mtu: at least 576 for udp:// links, not {mtu}")
         self._running = True
         for url in self.config.mesh.listen:
             if url.scheme == "tcp":
