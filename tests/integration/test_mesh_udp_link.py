@@ -13,6 +13,7 @@ import socket
 
 import pytest
 
+from meshgate.config import LinkUrl
 from meshgate.mesh import link_udp
 from meshgate.mesh.link_udp import UdpLink
 from meshgate.mesh.service import MeshService
@@ -199,3 +200,39 @@ async def test_too_small_mtu_is_a_startup_error() -> None:
     with pytest.raises(StartupError, match=r"limits\.udp_link_mtu"):
         await svc.start()
     await svc.stop()
+
+
+async def test_new_session_from_the_same_address_replaces_the_old_one() -> None:
+    """A peer that restarts on the same source port (no CLOSE sent): its new session ends the
+    old one at once, long before the ping timeout would."""
+    limits = {"mesh_dead_after": 30.0}
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits), B)
+    a = await start_node(node_config("a", "10.9.0.1/24", limits=limits), A)
+    url = b.listen_addrs[0]
+    host, port = url.removeprefix("udp://").rsplit(":", 1)
+    try:
+        first = await a.connect(LinkUrl("udp", host, int(port)))
+        assert isinstance(first, UdpLink)
+        await async_wait_until(lambda: converged([a, b]), 10, "first session")
+        src_port = first.sock.sock.getsockname()[1]
+        first.abort()  # gone without a word, like a crash
+        await async_wait_until(lambda: not a.links, 5, "a dropped its side")
+        # the "restarted" peer: a new session from the same address and port
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        sock.bind(("127.0.0.1", src_port))
+        sock.connect((host, int(port)))
+        holder: list[UdpLink] = []
+        usock = link_udp.UdpSocket(asyncio.get_running_loop(), sock,
+                                   lambda p, _a, _s: holder[0].datagram_received(p), a.config.limits, True)
+        second = UdpLink(a, url, True, usock, (host, int(port)), a.config.limits, lambda _l: usock.close())
+        holder.append(second)
+        a.pending.add(second)
+        second.begin()
+        await async_wait_until(
+            lambda: converged([a, b]) and [lk.session.peer_id for lk in _udp_links(b)] == [second.local_id],
+            5, "the old session replaced",
+        )
+        assert b.stats["link_dead"] == 0
+    finally:
+        await stop_all([a, b])
