@@ -25,6 +25,7 @@ import asyncio
 import contextvars
 import inspect
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -96,6 +97,98 @@ class _MemoEncoder(hpack.Encoder):
         return block
 
 
+class _MemoDecoder(hpack.Decoder):
+    """An HPACK decoder that hands back the header list it decoded from the same block bytes, as
+    long as the dynamic table and the limits are exactly as they were then (clients repeat header
+    blocks: every POST of one length, every GET of one URL, once the table holds their fields).
+
+    A result is stored only when decoding left the table untouched (indexed fields and literals
+    without indexing only): then it is a function of (block, table), what hpack would decode
+    again. The table is recognised as in _MemoEncoder: its first entry (by identity; every
+    addition is a new tuple), its length, its maximum size; the header-list and table-size limits
+    are part of the key too, so a block stays refused after a limit shrinks. Small blocks only.
+    """
+
+    MEMO_MAX = 256
+    MEMO_BLOCK_MAX = 512
+
+    def __init__(self, max_header_list_size: int = hpack.hpack.DEFAULT_MAX_HEADER_LIST_SIZE) -> None:
+        super().__init__(max_header_list_size)
+        self._memo: dict[bytes, tuple[list[Any], Any, int, int, int, int]] = {}
+
+    def decode(self, data: bytes, raw: bool = False) -> Any:
+        if not raw or len(data) > self.MEMO_BLOCK_MAX:
+            return super().decode(data, raw)
+        table = self.header_table
+        entries = table.dynamic_entries
+        first = entries[0] if entries else None
+        size = len(entries)
+        key = bytes(data)
+        hit = self._memo.get(key)
+        if (hit is not None and hit[1] is first and hit[2] == size and hit[3] == table.maxsize
+                and hit[4] == self.max_header_list_size and hit[5] == self.max_allowed_table_size):
+            return list(hit[0])
+        headers = super().decode(data, raw)
+        if (entries[0] if entries else None) is first and len(entries) == size:
+            if len(self._memo) >= self.MEMO_MAX:
+                self._memo.clear()
+            self._memo[key] = (list(headers), first, size, table.maxsize, self.max_header_list_size,
+                               self.max_allowed_table_size)
+        return headers
+
+
+# RFC 9113 8.2-8.3: what makes a request malformed (h2's own inbound validation is off: this
+# checks the same rules in one pass over the few headers a DoH request has).
+_PSEUDO = frozenset((b":method", b":path", b":scheme", b":authority"))
+_CONNECTION_SPECIFIC = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
+                                  b"upgrade"))
+_BAD_NAME = re.compile(rb"[^a-z0-9!#$%&'*+.^_`|~-]")
+_BAD_VALUE = re.compile(rb"[\x00\r\n]|^[ \t]|[ \t]$")
+
+
+def request_head(headers: Any) -> tuple[str, str, int, list[tuple[str, str]]] | None:
+    """(method, path, content-length or -1, other headers decoded) of a request's header list
+    (bytes pairs), or None if it is malformed: unknown, repeated, missing or late pseudo-headers,
+    an empty :path, upper-case or illegal names, connection-specific fields, NUL/CR/LF or edge
+    whitespace in a value."""
+    method = path = b""
+    scheme = False
+    regular = False
+    clen = -1
+    out: list[tuple[str, str]] = []
+    for k, v in headers:
+        if _BAD_VALUE.search(v) is not None:
+            return None
+        if k[:1] == b":":
+            if regular or k not in _PSEUDO:
+                return None
+            if k == b":method":
+                if method:
+                    return None
+                method = v
+            elif k == b":path":
+                if path:
+                    return None
+                path = v
+            elif k == b":scheme":
+                if scheme:
+                    return None
+                scheme = True
+            continue
+        regular = True
+        if not k or _BAD_NAME.search(k) is not None or k in _CONNECTION_SPECIFIC or (
+                k == b"te" and v != b"trailers"):
+            return None
+        # latin-1 never fails to decode (a non-UTF-8 value is not worth an exception here).
+        value = v.decode("latin-1")
+        if k == b"content-length":
+            clen = int(value) if value.isdigit() else 0
+        out.append((k.decode("latin-1"), value))
+    if not method or not path or not scheme:
+        return None
+    return method.decode("latin-1"), path.decode("latin-1"), clen, out
+
+
 class _Stream:
     __slots__ = ("body", "headers", "method", "off", "out", "path", "reset", "responded", "running")
 
@@ -124,14 +217,18 @@ class H2ServerProtocol(asyncio.Protocol):
         self.conns = conns
         self.loop = asyncio.get_running_loop()
         self.conn = h2.connection.H2Connection(
-            # Inbound headers are validated by h2; outbound ones are ours (fixed names, numbers,
-            # a media type), so skipping their validation/normalisation saves ~10% per request.
-            # Inbound headers come as bytes (header_encoding=None): h2 still validates them, and we
-            # decode the few we hand on in one pass instead of h2's generator per header.
+            # Outbound headers are ours (fixed names, numbers, a media type): no validation or
+            # normalisation (~10% per request). Inbound headers come as bytes
+            # (header_encoding=None) and request_head() checks RFC 9113's rules in the one pass
+            # that also picks out what we use, instead of h2's chain of generators per header.
             h2.config.H2Configuration(client_side=False, header_encoding=None,
-                                      validate_outbound_headers=False, normalize_outbound_headers=False)
+                                      validate_outbound_headers=False, normalize_outbound_headers=False,
+                                      validate_inbound_headers=False, normalize_inbound_headers=False)
         )
         self.conn.encoder = _MemoEncoder()
+        decoder = _MemoDecoder(self.conn.decoder.max_header_list_size)
+        decoder.max_allowed_table_size = self.conn.decoder.max_allowed_table_size
+        self.conn.decoder = decoder
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None
         self.streams: dict[int, _Stream] = {}
@@ -302,20 +399,13 @@ class H2ServerProtocol(asyncio.Protocol):
                 if self.transport is not None:
                     self.transport.close()
             return
-        method = path = ""
-        clen = 0
-        headers: list[tuple[str, str]] = []
-        for k, v in ev.headers or ():
-            # latin-1 never fails to decode (a non-UTF-8 value is not worth an exception here).
-            if k == b":method":
-                method = v.decode("latin-1")
-            elif k == b":path":
-                path = v.decode("latin-1")
-            else:
-                value = v.decode("latin-1")
-                if k == b"content-length":
-                    clen = int(value) if value.isdigit() else 0
-                headers.append((k.decode("latin-1"), value))
+        head = request_head(ev.headers or ())
+        if head is None:
+            # Malformed (RFC 9113 8.1.1): a stream error, the connection's other streams go on.
+            self._error("h2_malformed", "malformed request headers on stream %d", sid)
+            self.conn.reset_stream(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            return
+        method, path, clen, headers = head
         st = _Stream(method, path, headers)
         self.streams[sid] = st
         self.active += 1

@@ -1,5 +1,7 @@
-"""The DoH server's hot path: the memoizing HPACK encoder emits exactly what hpack's own encoder
-would, and the answers to one read leave in one writelines, one buffer (TLS record) per answer."""
+"""The DoH server's hot path: the memoizing HPACK encoder and decoder give exactly what hpack's own
+would, the one-pass request checks refuse what RFC 9113 calls malformed (a stream reset, not a
+dead connection), and the answers to one read leave in one writelines, one buffer (TLS record) per
+answer."""
 
 from __future__ import annotations
 
@@ -10,14 +12,16 @@ from typing import Any
 import dns.message
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import hpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshgate.config import from_dict
 from meshgate.dns.doh import DohApp
-from meshgate.dns.h2server import H2ServerProtocol, _MemoEncoder
+from meshgate.dns.h2server import H2ServerProtocol, _MemoDecoder, _MemoEncoder, request_head
 from meshgate.dns.resolver import Pipeline
 from meshgate.dns.stats import ListenerStats
 
@@ -121,3 +125,127 @@ def _stream_ends(buf: bytes) -> int:
             ends += 1
         off += 9 + length
     return ends
+
+
+# --------------------------------------------------------------------------- inbound: memo decoder, checks
+
+REQ = [(b":method", b"GET"), (b":method", b"POST"), (b":path", b"/dns-query"),
+       (b":path", b"/dns-query?dns=AAAB"), (b":scheme", b"https"), (b":authority", b"localhost"),
+       (b"content-type", b"application/dns-message"),
+       (b"content-length", b"33"), (b"content-length", b"41"), (b"accept", b"application/dns-message")]
+enc_step = st.one_of(
+    st.lists(st.sampled_from(REQ), min_size=1, max_size=6).map(lambda hs: ("encode", hs)),
+    st.lists(st.sampled_from(REQ), min_size=1, max_size=3).map(lambda hs: ("never", hs)),
+    st.sampled_from([0, 64, 4096]).map(lambda n: ("resize", n)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(enc_step, min_size=1, max_size=40))
+def test_memo_decoder_matches_hpack(steps: list[tuple[str, object]]) -> None:
+    enc = hpack.Encoder()
+    memo, plain = _MemoDecoder(), hpack.Decoder()
+    history: list[bytes] = []
+    resized = False
+    for kind, arg in steps:
+        if kind == "resize":
+            enc.header_table_size = arg  # type: ignore[assignment]  # the next block carries the update
+            resized = True
+            continue
+        hs = list(arg)  # type: ignore[call-overload]
+        if kind == "never":
+            hs = [hpack.NeverIndexedHeaderTuple(n, v) for n, v in hs]
+        block = enc.encode(hs)
+        got, expected = _decode(memo, block), _decode(plain, block)
+        assert got == expected
+        if not resized:  # hpack disagrees with itself after some resizes (see above)
+            assert expected == [tuple(h) for h in hs]
+        # The same bytes again (the memo's chance): whatever the table now makes of them, the
+        # memo must agree with hpack (a replay after the table changed decodes differently).
+        # On a second pair fed the same history, so the first pair stays in step with the encoder.
+        history.append(block)
+        m2, p2 = _MemoDecoder(), hpack.Decoder()
+        for old in history:
+            _decode(m2, old)
+            _decode(p2, old)
+        assert _decode(m2, block) == _decode(p2, block)
+        assert list(m2.header_table.dynamic_entries) == list(p2.header_table.dynamic_entries)
+
+
+def _decode(d: hpack.Decoder, block: bytes) -> object:
+    try:
+        return d.decode(block, raw=True)
+    except hpack.HPACKError as e:
+        return type(e)
+
+
+def test_memo_decoder_keeps_refusing_an_oversized_list_after_the_limit_shrinks() -> None:
+    hs = [(b":method", b"GET"), (b":path", b"/" + b"a" * 200)]
+    enc = hpack.Encoder()
+    block = enc.encode([hpack.NeverIndexedHeaderTuple(n, v) for n, v in hs])  # leaves the table alone
+    memo = _MemoDecoder()
+    assert memo.decode(block, raw=True) == hs
+    memo.max_header_list_size = 100
+    with pytest.raises(hpack.OversizedHeaderListError):
+        memo.decode(block, raw=True)
+
+
+GOOD = [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", b"x"), (b":path", b"/dns-query?dns=AA"),
+        (b"accept", b"application/dns-message"), (b"content-length", b"12")]
+
+
+def test_request_head_picks_out_what_doh_uses() -> None:
+    assert request_head(GOOD) == ("GET", "/dns-query?dns=AA", 12,
+                                  [("accept", "application/dns-message"), ("content-length", "12")])
+
+
+@pytest.mark.parametrize("bad", [
+    [(b":method", b"GET"), (b":path", b"/")],  # no :scheme
+    [(b":scheme", b"https"), (b":path", b"/")],  # no :method
+    [(b":method", b"GET"), (b":scheme", b"https")],  # no :path
+    [*GOOD, (b":method", b"POST")],  # pseudo-header after a regular one (and repeated)
+    [(b":method", b"GET"), *GOOD[1:4], (b":path", b"/again")],  # repeated :path
+    [(b":status", b"200"), *GOOD],  # a response pseudo-header
+    [*GOOD, (b"Accept", b"x")],  # upper case
+    [*GOOD, (b"connection", b"keep-alive")],
+    [*GOOD, (b"te", b"gzip")],
+    [*GOOD, (b"x-a", b"one\r\ntwo")],
+    [*GOOD, (b"x-a", b" padded")],
+    [*GOOD, (b"x a", b"v")],
+    [*GOOD, (b"", b"v")],
+])
+def test_request_head_refuses_malformed_requests(bad: list[tuple[bytes, bytes]]) -> None:
+    assert request_head(bad) is None
+
+
+async def test_a_malformed_request_resets_its_stream_and_the_connection_goes_on() -> None:
+    cfg = from_dict({"node": {"name": "alpha", "ipv4": "10.144.144.1/24"}})
+    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
+    stats = ListenerStats("test-malformed")
+    srv = H2ServerProtocol(DohApp(p, stats), stats, cfg.limits, set())
+    t = _Recorder()
+    srv.connection_made(t)  # type: ignore[arg-type]
+    client = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=True, header_encoding=None, validate_outbound_headers=False,
+        normalize_outbound_headers=False))
+    client.initiate_connection()
+    client.receive_data(b"".join(b for call in t.calls for b in call))
+    t.calls.clear()
+    q = dns.message.make_query("alpha.mesh.internal", "A")
+    q.id = 0
+    good = [(":method", "POST"), (":path", "/dns-query"), (":scheme", "https"),
+            ("content-type", "application/dns-message")]
+    client.send_headers(1, [*good, ("Content-Type", "x")])  # upper case: malformed
+    client.send_data(1, q.to_wire(), end_stream=True)
+    client.send_headers(3, good)
+    client.send_data(3, q.to_wire(), end_stream=True)
+    srv.data_received(client.data_to_send())
+    events = [ev for call in t.calls for buf in call for ev in client.receive_data(buf)]
+    resets = [ev for ev in events if isinstance(ev, h2.events.StreamReset)]
+    assert [(ev.stream_id, ev.error_code) for ev in resets] == [(1, h2.errors.ErrorCodes.PROTOCOL_ERROR)]
+    assert [ev.stream_id for ev in events if isinstance(ev, h2.events.StreamEnded)] == [3]
+    assert stats.snapshot()["errors"] == {"h2_malformed": 1}
+    if srv.timer is not None:
+        srv.timer.cancel()
+    srv.connection_lost(None)
+    await asyncio.sleep(0)
