@@ -155,7 +155,10 @@ class UdpSocket:
     def _readable(self) -> None:
         sock, view, buf = self.sock, self._view, self._buf
         on_packet = self.on_packet
-        for _ in range(self.read_batch):
+        # the bound counts packets, not reads: one GRO read may hold 64 of them
+        count, budget, reads = 0, self.read_batch, 0
+        while count < budget and reads < budget:
+            reads += 1  # errors and empty reads count too, so a storm of them still yields
             try:
                 n, anc, _flags, addr = sock.recvmsg_into((buf,), ANC_SIZE)
             except (BlockingIOError, InterruptedError):
@@ -182,12 +185,13 @@ class UdpSocket:
             off = 0
             while off < n:
                 end = min(n, off + step)
-                self.received += 1
-                self._in.add()
+                count += 1
                 on_packet(view[off:end], addr, src)
                 off = end
                 if self.closed:
                     return
+        self.received += count
+        self._in.add(count)
         self._in.flush()
 
     # ------------------------------------------------------------------ send
