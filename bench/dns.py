@@ -14,9 +14,12 @@ Two tables (bench/common.py runner: alternating rounds, medians):
 
 2. dns-load (loopback): queries/s, lost queries, latency p50/p99 (dnsperf -v,
    client-observed) or mean (h2load), and the server's CPU microseconds per
-   query (from /proc) for: UDP (dnsperf -m udp), DoH GET and POST (h2load,
-   4 connections x 16 streams), DoH with dnsperf -m doh; against meshgate
-   (one process, uvloop), unbound (one thread) and dnsdist, all answering
+   query (from /proc, summed over the server's processes) for: UDP (dnsperf
+   -m udp, 16 sockets), DoH GET and POST (h2load, 8 connections x 8 streams),
+   DoH with dnsperf -m doh; against meshgate (`meshgate`: one process, uvloop;
+   `meshgate-w2`: `dns.workers = 2`, the node and one worker process sharing
+   the listeners with SO_REUSEPORT; `--workers` picks the counts), unbound
+   (one thread) and dnsdist, all answering
    `www.test A` from memory (meshgate: its cache, filled from unbound as the
    loopback upstream). Cache misses: meshgate with a fresh name per query
    (UDP and DoH GET), each resolved through unbound on loopback (`--upstream tcp`:
@@ -236,7 +239,7 @@ class Server:
 
 
 def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None,
-                  upstream_scheme: str = "udp") -> dict[str, Server]:
+                  upstream_scheme: str = "udp", workers: tuple[int, ...] = (1,)) -> dict[str, Server]:
     cert, key = _cert(tmp)
     servers: dict[str, Server] = {}
     # unbound is also meshgate's loopback upstream, so it always runs.
@@ -254,13 +257,18 @@ def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None,
     trees = [("meshgate", ROOT)]
     if ab_ref:
         trees.append((f"meshgate@{ab_ref}", git_tree(ab_ref, str(tmp))))
-    for name, cwd in trees:
-        # unbound answers TCP on its UDP port too: tcp:// is a pooled, pipelined upstream.
-        servers[name] = _start_meshgate(tmp, name, cwd, f"{upstream_scheme}://127.0.0.1:{u_udp}", cert, key)
+    for base, cwd in trees:
+        for n in workers:
+            # "meshgate" is one process (as before dns.workers); "meshgate-w2" the node plus one worker.
+            name = base if n == 1 else f"{base}-w{n}"
+            # unbound answers TCP on its UDP port too: tcp:// is a pooled, pipelined upstream.
+            servers[name] = _start_meshgate(tmp, name, cwd, f"{upstream_scheme}://127.0.0.1:{u_udp}", cert,
+                                            key, n)
     return servers
 
 
-def _start_meshgate(tmp: Path, name: str, cwd: Path, upstream: str, cert: Path, key: Path) -> Server:
+def _start_meshgate(tmp: Path, name: str, cwd: Path, upstream: str, cert: Path, key: Path,
+                    workers: int = 1) -> Server:
     m_udp, m_doh = free_port(), free_port()
     tag = name.replace("@", "-").replace("/", "_")
     cfg = tmp / f"{tag}.toml"
@@ -275,6 +283,7 @@ enable = false
 [dns]
 upstreams = ["{upstream}"]
 cache_size = 1000000
+{f"workers = {workers}" if workers != 1 else ""}
 [[dns.listener]]
 protocol = "udp"
 listen = "127.0.0.1:{m_udp}"
@@ -323,7 +332,9 @@ def dnsperf(server: Server, mode: str, data: Path, seconds: float, extra: list[s
 
 def h2load(server: Server, n: int, post: bool, uris: Path | None = None, body: Path | None = None) -> Metrics:
     base = f"https://127.0.0.1:{server.doh}/dns-query"
-    argv = ["h2load", "-n", str(n), "-c", "4", "-m", "16", "-t", "1"]
+    # 8 connections x 8 streams: SO_REUSEPORT spreads connections, and 4 would land all on one of
+    # two processes one run in eight.
+    argv = ["h2load", "-n", str(n), "-c", "8", "-m", "8", "-t", "1"]
     if post:
         assert body is not None
         argv += ["-d", str(body), "-H", "content-type: application/dns-message", base]
@@ -362,6 +373,8 @@ def main() -> None:
     ap.add_argument("--rows", help="comma-separated substrings: keep only load rows containing one")
     ap.add_argument("--upstream", choices=["udp", "tcp"], default="udp",
                     help="meshgate's loopback upstream (unbound) for the MISS rows")
+    ap.add_argument("--workers", default="1,2",
+                    help="comma-separated dns.workers values: 1 = row 'meshgate', N = 'meshgate-wN'")
     args = ap.parse_args()
     runners: list[Runner] = []
 
@@ -387,7 +400,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-dns-") as d:
             tmp = Path(d)
             wanted = {"meshgate", "unbound", "dnsdist"}
-            servers = start_servers(tmp, wanted, args.ab, args.upstream)
+            workers = tuple(int(w) for w in args.workers.split(","))
+            servers = start_servers(tmp, wanted, args.ab, args.upstream, workers)
             try:
                 runners.append(_load(args, tmp, servers))
             finally:
@@ -403,10 +417,11 @@ def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Ru
     q = dns.message.make_query(HIT_NAME, "A")
     q.id = 0
     body.write_bytes(q.to_wire())
-    # Warm meshgate's cache (the first www.test goes to unbound).
+    # Warm meshgate's cache (the first www.test goes to unbound): from many sockets, so every
+    # worker process (each has its own cache) gets its copy.
     for name, s in servers.items():
         if name.startswith("meshgate"):
-            dnsperf(s, "udp", hit, 0.5, ["-c", "1", "-q", "1"])
+            dnsperf(s, "udp", hit, 0.5, ["-c", "16", "-q", "16"])
     run = Runner("dns-load (loopback; hit = www.test from memory/cache)", rounds=args.rounds)
     sec, n = args.seconds, args.requests
     rows = [r.strip() for r in args.rows.split(",")] if getattr(args, "rows", None) else None
@@ -418,10 +433,11 @@ def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Ru
     for name, s in servers.items():
         if not selected(args, name):
             continue
-        add(f"{name} udp dnsperf", lambda s=s: dnsperf(s, "udp", hit, sec, ["-c", "4", "-q", "200"]))
+        # 16 sockets (dnsperf -c): the kernel spreads UDP over SO_REUSEPORT processes by source port.
+        add(f"{name} udp dnsperf", lambda s=s: dnsperf(s, "udp", hit, sec, ["-c", "16", "-q", "200"]))
         add(f"{name} doh GET h2load", lambda s=s: h2load(s, n, post=False))
         add(f"{name} doh POST h2load", lambda s=s: h2load(s, n, post=True, body=body))
-        add(f"{name} doh dnsperf", lambda s=s: dnsperf(s, "doh", hit, sec, ["-c", "2", "-q", "50"]))
+        add(f"{name} doh dnsperf", lambda s=s: dnsperf(s, "doh", hit, sec, ["-c", "4", "-q", "50"]))
     up = args.upstream
     for name, mg in servers.items():
         if not name.startswith("meshgate") or not selected(args, name):
@@ -431,7 +447,7 @@ def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Ru
             data = tmp / "miss.txt"
             tag = secrets.token_hex(4)
             data.write_text("".join(f"m{i}-{tag}.test A\n" for i in range(200000)))
-            return dnsperf(mg, "udp", data, args.seconds, ["-c", "4", "-q", "200", "-n", "1"])
+            return dnsperf(mg, "udp", data, args.seconds, ["-c", "16", "-q", "200", "-n", "1"])
 
         def doh_miss(mg: Server = mg) -> Metrics:
             uris = tmp / "miss-uris.txt"
