@@ -180,6 +180,7 @@ class WorkerPool:
         self.stopping = False
         self.started = False  # every worker reported ready once; from then on exits mean restarts
         self._names_payload = b""
+        self._names: dict[str, tuple[Any, Any]] = {}
         self._loop_kind = "asyncio"
         self._watch: asyncio.Task[None] | None = None
 
@@ -187,7 +188,8 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         # Workers run the loop the main process runs (uvloop unless `--loop asyncio`).
         self._loop_kind = "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
-        self._names_payload = encode_names(self.names())
+        self._names = self.names()
+        self._names_payload = encode_names(self._names)
         for w in self.workers:
             await self._spawn(w)
         pending = [w.ready for w in self.workers if w.ready is not None]
@@ -274,6 +276,9 @@ class WorkerPool:
             self.push_names(self.names())
 
     def push_names(self, table: dict[str, tuple[Any, Any]]) -> None:
+        if table == self._names:
+            return  # compared as dicts: encoding a large table four times a second would cost more
+        self._names = table
         payload = encode_names(table)
         if payload == self._names_payload:
             return
