@@ -200,6 +200,31 @@ async def test_a_killed_worker_is_restarted_and_stop_leaves_no_worker(tmp_path: 
             os.kill(pid, 0)
 
 
+async def test_a_restart_that_fails_is_retried_with_backoff(tmp_path: Path) -> None:
+    node = Node(_config(tmp_path))
+    await node.start()
+    try:
+        env = Env(node)
+        pool = env.svc.pool
+        cert = tmp_path / "state" / "dns-selfsigned.crt"
+        hidden = cert.with_suffix(".hidden")
+        cert.rename(hidden)  # the next worker cannot load the DoH certificate: it fails to start
+        first = env.worker_pid()
+        os.kill(first, signal.SIGKILL)
+        await async_wait_until(lambda: env.svc.status()["workers"]["1"]["restarts"] >= 2, timeout=15,
+                               what="a failed restart")
+        hidden.rename(cert)
+        before = env.worker_queries(env.udp_url)
+
+        async def back() -> bool:
+            assert await _udp_burst(env.udp_port, "www.test", 32, tries=3) == [WWW] * 32
+            return env.worker_queries(env.udp_url) > before and len(pool.pids()) == 1
+
+        await async_wait_until(back, timeout=20, what="a worker answering again")
+    finally:
+        await node.stop()
+
+
 def _dead(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
