@@ -1,4 +1,4 @@
-"""A small HTTP/2 server (h2 state machine + asyncio Protocol) for DoH and ODoH.
+"""A small HTTP/2 server (the h2wire sans-I/O core + asyncio Protocol) for DoH and ODoH.
 
 The application is a callable
 
@@ -9,7 +9,7 @@ The application is a callable
 returning a Response directly when it is known now (no task, no await: the
 cache-hit path) or an awaitable. `current_peer` holds the client address
 while the handler runs (for log lines). A Buffer body goes back to its pool
-once h2 has copied the last chunk into its send buffer (`send_data` copies);
+once its last chunk has been copied out in the frames of `data_to_send()`;
 a body still queued when the client resets the stream is dropped.
 
 Bounds: request bodies ≤ 65535 bytes (413), header block ≤ 16 KiB, concurrent
@@ -29,16 +29,12 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
 import hpack
 
 from meshgate.buffers import Buffer
 from meshgate.config import LimitsConfig
+from meshgate.dns import h2wire
+from meshgate.dns.h2wire import H2ConnectionError, H2Wire
 from meshgate.dns.stats import ListenerStats
 from meshgate.logs import RateLimitedLog
 
@@ -216,19 +212,11 @@ class H2ServerProtocol(asyncio.Protocol):
         self.limits = limits
         self.conns = conns
         self.loop = asyncio.get_running_loop()
-        self.conn = h2.connection.H2Connection(
-            # Outbound headers are ours (fixed names, numbers, a media type): no validation or
-            # normalisation (~10% per request). Inbound headers come as bytes
-            # (header_encoding=None) and request_head() checks RFC 9113's rules in the one pass
-            # that also picks out what we use, instead of h2's chain of generators per header.
-            h2.config.H2Configuration(client_side=False, header_encoding=None,
-                                      validate_outbound_headers=False, normalize_outbound_headers=False,
-                                      validate_inbound_headers=False, normalize_inbound_headers=False)
-        )
-        self.conn.encoder = _MemoEncoder()
-        decoder = _MemoDecoder(self.conn.decoder.max_header_list_size)
-        decoder.max_allowed_table_size = self.conn.decoder.max_allowed_table_size
-        self.conn.decoder = decoder
+        self.max_streams = limits.doh_max_streams
+        # Inbound headers come as bytes and request_head() checks RFC 9113's rules in the one
+        # pass that also picks out what we use; outbound headers are ours (fixed names, numbers).
+        self.conn = H2Wire(max_streams=self.max_streams, max_header_list=MAX_HEADER_LIST,
+                           encoder=_MemoEncoder(), decoder=_MemoDecoder(MAX_HEADER_LIST))
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None
         self.streams: dict[int, _Stream] = {}
@@ -239,7 +227,6 @@ class H2ServerProtocol(asyncio.Protocol):
         self.tasks: set[asyncio.Task[None]] = set()
         self.last_active = self.loop.time()
         self.timer: asyncio.TimerHandle | None = None
-        self.max_streams = limits.doh_max_streams
 
     # ------------------------------------------------------------------ connection
 
@@ -264,11 +251,7 @@ class H2ServerProtocol(asyncio.Protocol):
             transport.close()
             return
         self.conns.add(self)
-        self.conn.initiate_connection()
-        self.conn.update_settings({
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
-        })
+        self.conn.initiate()
         self._flush()
         self.timer = self.loop.call_later(self.limits.dns_tcp_idle_timeout, self._check_idle)
 
@@ -279,7 +262,7 @@ class H2ServerProtocol(asyncio.Protocol):
         idle = self.loop.time() - self.last_active
         timeout = self.limits.dns_tcp_idle_timeout
         if idle >= timeout and not self.streams:
-            self.conn.close_connection()
+            self.conn.goaway(h2wire.NO_ERROR)
             self._flush()
             t.close()
             return
@@ -328,65 +311,58 @@ class H2ServerProtocol(asyncio.Protocol):
         rlog.debug(f"{self.stats.name} {reason} {self.peer}", "doh %s: %s: " + msg,
                    self.stats.name, self.peer, *args)
 
+    def _close(self, code: int) -> None:
+        self.conn.goaway(code)
+        self._flush()
+        if self.transport is not None:
+            self.transport.close()
+
     # ------------------------------------------------------------------ events
 
     def data_received(self, data: bytes) -> None:
         self.last_active = self.loop.time()
         try:
-            events = self.conn.receive_data(data)
-        except h2.exceptions.ProtocolError as e:
-            self._error("h2_protocol", "HTTP/2 protocol error: %s", e)
-            self._flush()  # h2 queued a GOAWAY
-            if self.transport is not None:
-                self.transport.close()
+            events = self.conn.receive(data)
+        except H2ConnectionError as e:
+            self._error("h2_protocol", "HTTP/2 protocol error: %s (code %d)", e, e.code)
+            self._close(e.code)  # the GOAWAY is queued already
             return
-        for ev in events:
-            try:
-                self._event(ev)
-            except h2.exceptions.H2Error as e:  # e.g. a frame for a stream that closed meanwhile
-                self._error("h2_state", "%r", e)
+        for kind, sid, a, b in events:
+            if kind == h2wire.REQUEST:
+                self._request(sid, a, b)
+            elif kind == h2wire.DATA:
+                st = self.streams.get(sid)
+                if st is None or st.responded or st.running:
+                    continue
+                if len(st.body) + len(a) > MAX_BODY:
+                    self._error("too_large", "request body over %d bytes", MAX_BODY)
+                    self._respond(sid, st, (413, [], b""))
+                    continue
+                st.body += a
+                if b:
+                    self._dispatch(sid, st)
+            elif kind == h2wire.RESET:
+                self._on_reset(sid)
+            elif kind == h2wire.WINDOW:
+                if sid == 0:
+                    for osid, st in list(self.streams.items()):
+                        if st.out is not None:
+                            self._send_body(osid, st)
+                else:
+                    st = self.streams.get(sid)
+                    if st is not None and st.out is not None:
+                        self._send_body(sid, st)
+            elif kind == h2wire.GOAWAY and self.transport is not None:
+                self._flush()
+                self.transport.close()
+                return
+            if self.conn.closed:  # we sent GOAWAY (rapid reset)
+                return
         self._flush()
 
-    def _event(self, ev: h2.events.Event) -> None:
-        if isinstance(ev, h2.events.RequestReceived):
-            self._request(ev)
-        elif isinstance(ev, h2.events.DataReceived):
-            # Always give the window back, or POST bodies stall at 64 KiB.
-            self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-            st = self.streams.get(ev.stream_id)
-            if st is None or st.responded or st.running:
-                return
-            if len(st.body) + len(ev.data) > MAX_BODY:
-                self._error("too_large", "request body over %d bytes", MAX_BODY)
-                self._respond(ev.stream_id, st, (413, [], b""))
-                return
-            st.body += ev.data
-        elif isinstance(ev, h2.events.StreamEnded):
-            st = self.streams.get(ev.stream_id)
-            if st is not None and not st.responded and not st.running:
-                self._dispatch(ev.stream_id, st)
-        elif isinstance(ev, h2.events.StreamReset):
-            self._on_reset(ev.stream_id)
-        elif isinstance(ev, h2.events.WindowUpdated):
-            if ev.stream_id == 0:
-                for sid, st in list(self.streams.items()):
-                    if st.out is not None:
-                        self._send_body(sid, st)
-            else:
-                st = self.streams.get(ev.stream_id)
-                if st is not None and st.out is not None:
-                    self._send_body(ev.stream_id, st)
-        elif isinstance(ev, h2.events.RemoteSettingsChanged):
-            for sid, st in list(self.streams.items()):  # a bigger initial window may free queued bodies
-                if st.out is not None:
-                    self._send_body(sid, st)
-        elif isinstance(ev, h2.events.ConnectionTerminated) and self.transport is not None:
-            self.transport.close()
-
-    def _request(self, ev: h2.events.RequestReceived) -> None:
-        sid = ev.stream_id
+    def _request(self, sid: int, raw_headers: Any, ended: bool) -> None:
         if self.active >= self.max_streams:
-            self.conn.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
+            self.conn.reset(sid, h2wire.REFUSED_STREAM)
             self.refused += 1
             self.stats.drop("max_streams")
             rlog.debug(f"{self.stats.name} streams {self.peer}",
@@ -394,16 +370,13 @@ class H2ServerProtocol(asyncio.Protocol):
                        self.stats.name, self.peer, self.active, sid)
             if self.refused > 2 * self.max_streams:
                 self._error("rapid_reset", "kept exceeding the stream cap: GOAWAY")
-                self.conn.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
-                self._flush()
-                if self.transport is not None:
-                    self.transport.close()
+                self._close(h2wire.ENHANCE_YOUR_CALM)
             return
-        head = request_head(ev.headers or ())
+        head = request_head(raw_headers)
         if head is None:
             # Malformed (RFC 9113 8.1.1): a stream error, the connection's other streams go on.
             self._error("h2_malformed", "malformed request headers on stream %d", sid)
-            self.conn.reset_stream(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            self.conn.reset(sid, h2wire.PROTOCOL_ERROR)
             return
         method, path, clen, headers = head
         st = _Stream(method, path, headers)
@@ -413,7 +386,7 @@ class H2ServerProtocol(asyncio.Protocol):
             self._error("too_large", "content-length %d", clen)
             self._respond(sid, st, (413, [], b""))
             return
-        if ev.stream_ended is not None:
+        if ended:
             self._dispatch(sid, st)
 
     def _dispatch(self, sid: int, st: _Stream) -> None:
@@ -461,60 +434,45 @@ class H2ServerProtocol(asyncio.Protocol):
             _release(body, ok=False)
             return
         st.responded = True
-        if st.reset or self.transport is None or self.transport.is_closing():
+        if st.reset or self.transport is None or self.transport.is_closing() or sid not in self.conn.streams:
             _release(body, ok=False)
             self._finish(sid)
             return
         n = _body_len(body)
-        hdrs = [(":status", str(status)), *headers, ("content-length", str(n))]
-        try:
-            self.conn.send_headers(sid, hdrs, end_stream=n == 0)
-        except h2.exceptions.H2Error as e:
-            _release(body, ok=False)
-            self._error("h2_state", "send_headers: %r", e)
-            self._finish(sid)
-            return
+        self.conn.send_headers(sid, [(":status", str(status)), *headers, ("content-length", str(n))],
+                               end_stream=n == 0)
         if n == 0:
             _release(body, ok=True)
             self._finish(sid)
+            self.out.append(self.conn.data_to_send())
             return
         st.out = body
         st.off = 0
         self._send_body(sid, st)
 
     def _send_body(self, sid: int, st: _Stream) -> None:
-        """Send what the flow-control window and frame size allow; the rest waits for WindowUpdated."""
+        """Send what the flow-control windows and frame size allow; the rest waits for WINDOW."""
         body = st.out
         assert body is not None
-        conn = self.conn
         n = _body_len(body)
-        try:
-            while st.off < n:
-                window = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size)
-                if window <= 0:
-                    return  # queued until WindowUpdated
-                chunk = min(n - st.off, window)
-                end = st.off + chunk == n
-                if isinstance(body, Buffer):
-                    a = body.start + st.off
-                    conn.send_data(sid, memoryview(body.data)[a : a + chunk], end_stream=end)
-                else:
-                    conn.send_data(sid, body[st.off : st.off + chunk], end_stream=end)
-                st.off += chunk
-        except h2.exceptions.H2Error as e:
-            self._drop_out(st)
-            self._error("h2_state", "send_data: %r", e)
-            self._finish(sid)
-            return
-        # h2 copied every chunk into its own send buffer: the pool may have the buffer back.
-        st.out = None
-        _release(body, ok=True)
-        self._finish(sid)
-        # Each finished response is its own buffer, and the buffers of one read leave in one
+        if isinstance(body, Buffer):
+            view = memoryview(body.data)[body.start + st.off : body.start + n]
+        else:
+            view = memoryview(body)[st.off :]
+        st.off += self.conn.send_data(sid, view, end_stream=True)
+        # A live view of a pooled buffer would make the pool refuse it (it could not resize).
+        del view
+        if st.off < n:
+            return  # queued until a WINDOW_UPDATE
+        # Each finished response is its own buffer (data_to_send copies the frames out of the
+        # pool buffer: the pool may have it back now), and the buffers of one read leave in one
         # writelines: the TLS transport seals each buffer as its own record, then sends them
         # all in one system call. One record per response, not one for the batch: dnsperf
         # 2.10's DoH client takes one answer per SSL_read (one record) and loses the rest.
         data = self.conn.data_to_send()
+        st.out = None
+        _release(body, ok=True)
+        self._finish(sid)
         if data:
             self.out.append(data)
 

@@ -5,7 +5,9 @@ connection error. The decoder is fuzzed: it raises nothing but H2ConnectionError
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import struct
 from typing import Any
 
@@ -19,8 +21,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshgate.buffers import Buffer, BufferPool
+from meshgate.config import from_dict
 from meshgate.dns import h2wire
+from meshgate.dns.h2server import H2ServerProtocol
 from meshgate.dns.h2wire import PREFACE, H2ConnectionError, H2Wire, frame
+from meshgate.dns.stats import ListenerStats
 
 REQ = [(":method", "POST"), (":path", "/dns-query"), (":scheme", "https"), (":authority", "x"),
        ("content-type", "application/dns-message")]
@@ -363,3 +369,129 @@ def test_fuzzed_bytes_raise_only_connection_errors(junk: bytes) -> None:
     s = server()
     with contextlib.suppress(H2ConnectionError):
         s.receive(PREFACE + SETTINGS0 + junk)
+
+
+# --------------------------------------------------------------------------- through H2ServerProtocol
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.data: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.data.append(bytes(data))
+
+    def writelines(self, chunks: list[bytes]) -> None:
+        self.data.extend(bytes(c) for c in chunks)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, key: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 1) if key == "peername" else default
+
+    def take(self) -> bytes:
+        out = b"".join(self.data)
+        self.data.clear()
+        return out
+
+
+_names = itertools.count()
+
+
+def _proto(handler: Any, **limits: Any) -> tuple[H2ServerProtocol, _Transport, h2.connection.H2Connection,
+                                                  ListenerStats]:
+    cfg = from_dict({"node": {"name": "alpha", "ipv4": "10.144.144.1/24"}, "limits": limits})
+    stats = ListenerStats(f"test-h2wire-{next(_names)}")  # stats are shared by name
+    srv = H2ServerProtocol(handler, stats, cfg.limits, set())
+    t = _Transport()
+    srv.connection_made(t)  # type: ignore[arg-type]
+    c = client({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 10})
+    c.receive_data(t.take())
+    srv.data_received(c.data_to_send())
+    c.receive_data(t.take())
+    return srv, t, c, stats
+
+
+def _close(srv: H2ServerProtocol) -> None:
+    if srv.timer is not None:
+        srv.timer.cancel()
+    srv.connection_lost(None)
+
+
+async def test_a_queued_pooled_answer_is_dropped_on_reset_and_recycled_when_sent() -> None:
+    pool = BufferPool(capacity=4096)
+    handed: list[Any] = []
+
+    def handler(method: str, path: str, headers: Any, body: bytes) -> Any:
+        buf = pool.get()
+        buf.write(b"a" * 1000)
+        handed.append(buf)
+        return (200, [("content-type", "application/dns-message")], buf)
+
+    srv, t, c, _ = _proto(handler)
+    c.send_headers(1, REQ, end_stream=True)
+    srv.data_received(c.data_to_send())
+    held: Buffer = handed[0]
+    assert srv.streams[1].out is held and len(pool) == 0  # 10 bytes sent, the rest waits
+    c.receive_data(t.take())
+    c.reset_stream(1)
+    srv.data_received(c.data_to_send())
+    assert held.pool is None and 1 not in srv.streams and srv.active == 0  # dropped, never reused
+    # The next answer goes out whole (window opened) and its buffer goes back to the pool.
+    c.increment_flow_control_window(100_000)
+    c.send_headers(3, REQ, end_stream=True)
+    srv.data_received(c.data_to_send())
+    events = c.receive_data(t.take())
+    assert 3 in srv.streams  # the stream window (10) still holds it
+    c.increment_flow_control_window(5000, stream_id=3)
+    srv.data_received(c.data_to_send())
+    events += c.receive_data(t.take())
+    body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived) and e.stream_id == 3)
+    assert body == b"a" * 1000 and any(isinstance(e, h2.events.StreamEnded) for e in events)
+    assert len(pool) == 1 and handed[1].pool is pool and 3 not in srv.streams
+    _close(srv)
+    await asyncio.sleep(0)
+
+
+async def test_rapid_reset_past_the_cap_gets_enhance_your_calm() -> None:
+    loop = asyncio.get_running_loop()
+    never: list[asyncio.Future[Any]] = []
+
+    def handler(method: str, path: str, headers: Any, body: bytes) -> Any:
+        never.append(loop.create_future())
+        return never[-1]
+
+    srv, t, _, stats = _proto(handler, doh_max_streams=3)
+    enc = hpack.Encoder()  # raw frames: h2 itself would not open streams past our advertised cap
+
+    def req(sid: int) -> bytes:
+        return frame(h2wire.HEADERS_FRAME, H | h2wire.END_STREAM, sid, enc.encode(REQ))
+
+    # Three running handlers whose streams the client reset: still counted.
+    srv.data_received(b"".join(req(sid) + frame(h2wire.RST_STREAM_FRAME, 0, sid, b"\x00\x00\x00\x08")
+                               for sid in (1, 3, 5)))
+    assert srv.active == 3 and all(s.reset for s in srv.streams.values())
+    # 2 x cap refusals are tolerated; the seventh gets GOAWAY.
+    srv.data_received(b"".join(req(sid) for sid in range(7, 21, 2)))
+    out = t.take()
+    codes = [struct.unpack(">L", p)[0] for ty, _, _, p in frames(out) if ty == h2wire.RST_STREAM_FRAME]
+    assert codes == [h2wire.REFUSED_STREAM] * 7
+    assert goaway_code(out) == h2wire.ENHANCE_YOUR_CALM and t.closed
+    snap: Any = stats.snapshot()
+    assert snap["drops"]["max_streams"] == 7 and snap["errors"]["rapid_reset"] == 1
+    _close(srv)
+    await asyncio.sleep(0)
+
+
+async def test_protocol_errors_close_the_connection_with_goaway() -> None:
+    srv, t, _, stats = _proto(lambda *a: (200, [], b""))
+    srv.data_received(frame(h2wire.PING_FRAME, 0, 0, b"short"))
+    assert goaway_code(t.take()) == h2wire.FRAME_SIZE_ERROR and t.closed
+    assert stats.snapshot()["errors"] == {"h2_protocol": 1}
+    _close(srv)
+    await asyncio.sleep(0)
