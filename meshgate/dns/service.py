@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import logging
@@ -63,11 +64,12 @@ class DnsService:
                 except OSError as e:
                     raise bind_error(f"dns.listener[{i}].listen", lst.listen, e) from None
             if self._shared and not self.worker and self.config.dns.workers > 1:
-                from meshgate.dns.worker import WorkerPool, worker_config
+                from meshgate.dns.worker import WorkerPool, answer_for_worker, worker_config
 
                 cfg = worker_config(self.config, self._shared)
                 self.pool = WorkerPool(cfg, self.config.dns.workers, self.pipeline.name_table,
-                                       self.pipeline.names_changed)
+                                       self.pipeline.names_changed,
+                                       functools.partial(answer_for_worker, self.pipeline))
                 await self.pool.start()
         except BaseException:
             await self.stop()

@@ -14,8 +14,15 @@ of `length(4) kind(1) payload`:
     main -> worker   C  setup (pickle: config, index, loop kind, parent pid), first frame only
                      N  mesh name table (JSON {name: [ipv4|null, ipv6|null]})
                      S  stop
+                     A  upstream answer (u32 id, then the response; nothing after the id = failed)
     worker -> main   R  ready (JSON {"pid", "urls"})    E  could not start (text)
                      M  counters (JSON [[name, help, labelnames, labels, value], ...])
+                     Q  upstream query (u32 id, then the query)
+
+Upstream queries (cache misses) go through the main process: it is the one
+with the mesh (upstreams at other nodes' addresses are reached over mesh
+streams), and its cache and pooled upstream connections serve every worker,
+so a worker answers exactly what the node itself would.
 
 Counts: a worker reports its counters every REPORT_INTERVAL seconds and when it
 stops; the main process adds the increase since the last report to the same
@@ -41,12 +48,13 @@ import signal
 import socket
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import meshgate
 from meshgate.config import Config
+from meshgate.dns.upstream import Upstream
 from meshgate.metrics import REGISTRY
 from meshgate.node import StartupError
 
@@ -61,6 +69,7 @@ RESTART_BACKOFF_MAX = 30.0
 STABLE_AFTER = 60.0  # a worker that ran this long before exiting restarts with the shortest backoff
 MAX_FRAME = 16 << 20
 _HEAD = struct.Struct("!IB")
+_ID = struct.Struct("!I")
 
 _worker_queries = REGISTRY.counter(
     "meshgate_dns_worker_queries_total", "DNS queries received by each worker process (1..N-1)", ("worker",)
@@ -68,6 +77,10 @@ _worker_queries = REGISTRY.counter(
 _worker_restarts = REGISTRY.counter(
     "meshgate_dns_worker_restarts_total", "DNS worker processes restarted after an unexpected exit",
     ("worker",),
+)
+_parent_refused = REGISTRY.counter(
+    "meshgate_dns_worker_upstream_refused_total",
+    "Upstream queries from workers not taken: limits.dns_max_inflight already in flight",
 )
 _QUERIES = "meshgate_dns_queries_total"
 
@@ -172,10 +185,13 @@ class WorkerPool:
     """The N-1 extra processes of a DNS service: started, fed name tables, restarted, stopped."""
 
     def __init__(self, config: Config, count: int, names: Callable[[], dict[str, tuple[Any, Any]]],
-                 changed: Callable[[], None] | None = None) -> None:
+                 changed: Callable[[], None] | None = None,
+                 answer: Callable[[bytes], Awaitable[bytes]] | None = None) -> None:
         self.config = config
         self.names = names
         self.changed = changed  # the main process's own pipeline forgets memoised names too
+        self.answer = answer  # a worker's upstream query -> the response (b"" = failed)
+        self._asks: set[asyncio.Task[None]] = set()
         self.workers = [_Worker(i, CounterMerge(i)) for i in range(1, count)]
         self.stopping = False
         self.started = False  # every worker reported ready once; from then on exits mean restarts
@@ -234,6 +250,8 @@ class WorkerPool:
             kind, payload = got
             if kind == b"M":
                 w.merge.apply(payload)
+            elif kind == b"Q":
+                self._ask(w, payload)
             elif kind == b"R" and w.ready is not None and not w.ready.done():
                 w.ready.set_result(None)
             elif kind == b"E":
@@ -268,6 +286,26 @@ class WorkerPool:
         except OSError as e:
             log.error("dns worker %d: cannot restart: %s", w.index, e)
 
+    def _ask(self, w: _Worker, payload: bytes) -> None:
+        if self.answer is None or len(payload) < _ID.size:
+            return
+        if len(self._asks) >= self.config.limits.dns_max_inflight:
+            _parent_refused.inc()  # the worker's exchange times out and it answers SERVFAIL
+            return
+        task = asyncio.get_running_loop().create_task(self._reply(w, payload))
+        self._asks.add(task)
+        task.add_done_callback(self._asks.discard)
+
+    async def _reply(self, w: _Worker, payload: bytes) -> None:
+        assert self.answer is not None
+        try:
+            resp = await self.answer(payload[_ID.size:])
+        except Exception as e:  # never let one query take down the control channel
+            log.debug("dns worker %d: upstream query failed: %r", w.index, e)
+            resp = b""
+        if w.writer is not None and not w.writer.is_closing():
+            w.writer.write(frame(b"A", payload[:_ID.size] + resp))
+
     async def _watch_names(self) -> None:
         # The mesh has no change callback for names: compare the table every REPORT_INTERVAL
         # (cheap: one dict build) and push only a change.
@@ -293,6 +331,8 @@ class WorkerPool:
         self.stopping = True
         if self._watch is not None:
             self._watch.cancel()
+        for t in list(self._asks):
+            t.cancel()
         for w in self.workers:
             if w.writer is not None and not w.writer.is_closing():
                 w.writer.write(frame(b"S", b""))
@@ -326,6 +366,66 @@ class WorkerPool:
 
 
 # --------------------------------------------------------------------------- worker process side
+
+
+class ParentUpstream(Upstream):
+    """A worker's only upstream: the main process, over the control socket."""
+
+    url = "parent"
+
+    def __init__(self, writer: asyncio.StreamWriter, max_inflight: int, upstreams: int = 1) -> None:
+        self.writer = writer
+        self.max_inflight = max_inflight
+        # the main process fails over through its upstreams, each with the same timeout
+        self.spans = max(1, upstreams)
+        self._next = 0
+        self._waiting: dict[int, asyncio.Future[bytes]] = {}
+
+    async def exchange(self, wire: bytes, timeout: float) -> bytes:
+        if len(self._waiting) >= self.max_inflight or self.writer.is_closing():
+            raise OSError("main process not reachable or busy")
+        self._next = (self._next + 1) & 0xFFFFFFFF
+        qid = self._next
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._waiting[qid] = fut
+        try:
+            self.writer.write(frame(b"Q", _ID.pack(qid) + wire))
+            async with asyncio.timeout(timeout * self.spans):
+                resp = await fut
+        finally:
+            self._waiting.pop(qid, None)
+        if not resp:
+            raise OSError("the main process's upstreams failed")
+        return resp
+
+    def answered(self, payload: bytes) -> None:
+        if len(payload) < _ID.size:
+            return
+        fut = self._waiting.get(_ID.unpack_from(payload)[0])
+        if fut is not None and not fut.done():
+            fut.set_result(payload[_ID.size:])
+
+    def close(self) -> None:
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(OSError("worker stopping"))
+
+
+async def answer_for_worker(pipeline: Any, data: bytes) -> bytes:
+    """The main process's answer to a worker's upstream query: its own pipeline (local
+    names, shared cache, then its upstreams, coalesced), packed under the worker's ID."""
+    from meshgate.dns import wire
+
+    q = wire.parse_query(data)
+    now = asyncio.get_running_loop().time()
+    ans = pipeline.lookup(q, now) or await pipeline.resolve(q)
+    if ans is None:
+        return b""  # too many queries in flight: the worker fails over like on a timeout
+    buf = pipeline.buffer(wire.packed_size(ans, q, False))
+    wire.pack_answer(buf, ans, q, asyncio.get_running_loop().time())
+    out = bytes(buf.view())
+    buf.recycle()
+    return out
 
 
 class _Names:
@@ -369,6 +469,10 @@ async def _serve(sock: socket.socket, config: Config, index: int) -> int:
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     node = _WorkerNode(config)
     svc = DnsService(node, worker=True)
+    parent = ParentUpstream(writer, config.limits.dns_max_inflight, len(svc.pipeline.upstreams))
+    for up in svc.pipeline.upstreams:
+        up.close()
+    svc.pipeline.upstreams = [parent]
     try:
         await svc.start()
     except (StartupError, OSError) as e:
@@ -384,7 +488,9 @@ async def _serve(sock: socket.socket, config: Config, index: int) -> int:
             got = await read_frame(reader)
             if got is None or got[0] == b"S":
                 break  # EOF: the main process is gone
-            if got[0] == b"N":
+            if got[0] == b"A":
+                parent.answered(got[1])
+            elif got[0] == b"N":
                 node.mesh.table = decode_names(got[1])
                 svc.pipeline.names_changed()
         stop.set()

@@ -274,3 +274,37 @@ listen = "127.0.0.1:{udp}"
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_workers_go_upstream_through_the_main_process_and_its_mesh(tmp_path: Path) -> None:
+    """The upstream is a resolver at another node's virtual IP, reachable only over the mesh. Every
+    process answers it: a worker sends its cache misses to the main process, which asks over a mesh
+    stream (a worker dialling 10.144.9.2 itself would find no route and answer SERVFAIL)."""
+    from tests.integration.test_portal_mesh import cfg, start
+
+    dns_port = free_port()
+    b = await start(cfg("b", "10.144.9.2/24", node={"state_dir": str(tmp_path / "b")},
+                        mesh={"listen": ["tcp://127.0.0.1:0"]},
+                        dns={"records": {f"n{i}.far.example.": WWW for i in range(128)},
+                             "listener": [{"protocol": "tcp", "listen": f"127.0.0.1:{dns_port}"}]}))
+    a = await start(cfg("a", "10.144.9.1/24", node={"state_dir": str(tmp_path / "a")},
+                        mesh={"peers": [b.mesh.listen_addrs[0]], "direct_fallback": False},
+                        dns={"workers": 2, "upstreams": [f"tcp://10.144.9.2:{dns_port}"],
+                             "listener": [{"protocol": "udp", "listen": "127.0.0.1:0"}]}))
+    try:
+        await async_wait_until(lambda: b.mesh.node_id in a.mesh.table.hop_paths, 15, "a route to b")
+        env = Env.__new__(Env)
+        env.svc = next(s for s in a.services if s.name == "dns")  # type: ignore[assignment]
+        udp_url = next(u for u in env.svc.urls if u.startswith("udp://"))
+        port = int(udp_url.rsplit(":", 1)[1])
+        # distinct names: every query is a cache miss in whichever process gets it
+        answers: list[str] = []
+        for batch in range(4):
+            answers += await asyncio.gather(*(_one(port, f"n{batch * 32 + i}.far.example", timeout=5.0)
+                                              for i in range(32)))
+        assert answers == [WWW] * len(answers)
+        await async_wait_until(lambda: env.worker_queries(udp_url) > 0, 10, "the worker's counters")
+        assert env.worker_queries(udp_url) > 0  # the worker answered some of them itself
+    finally:
+        await a.stop()
+        await b.stop()
