@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import inspect
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -133,8 +132,8 @@ class _MemoDecoder(hpack.Decoder):
         return headers
 
 
-# RFC 9113 8.2-8.3: what makes a request malformed (h2's own inbound validation is off: this
-# checks the same rules in one pass over the few headers a DoH request has).
+# RFC 9113 8.2-8.3: what makes a request malformed (h2wire leaves header semantics to us: this
+# checks the rules in one pass over the few headers a DoH request has).
 _PSEUDO = frozenset((b":method", b":path", b":scheme", b":authority"))
 _CONNECTION_SPECIFIC = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
                                   b"upgrade"))
@@ -142,7 +141,33 @@ _BAD_NAME = re.compile(rb"[^a-z0-9!#$%&'*+.^_`|~-]")
 _BAD_VALUE = re.compile(rb"[\x00\r\n]|^[ \t]|[ \t]$")
 
 
-def request_head(headers: Any) -> tuple[str, str, int, list[tuple[str, str]]] | None:
+Head = tuple[str, str, int, list[tuple[str, str]]]
+_HEADS: dict[tuple[Any, ...], Head | None] = {}
+_HEADS_MAX = 256
+_HEAD_BYTES_MAX = 1024
+
+
+def memo_request_head(headers: list[tuple[bytes, bytes]]) -> Head | None:
+    """request_head() through a small memo: clients repeat header lists (every POST of one
+    length, every GET of one URL), and the checks cost more than hashing the list. The result is
+    a function of the list alone; the handler gets its own copy of the header list."""
+    key = tuple(headers)
+    try:
+        head = _HEADS[key]
+    except KeyError:
+        head = request_head(headers)
+        if sum(len(k) + len(v) for k, v in headers) <= _HEAD_BYTES_MAX:  # bounded memory
+            if len(_HEADS) >= _HEADS_MAX:
+                _HEADS.clear()
+            _HEADS[key] = head
+    except TypeError:  # not hashable: not from the HPACK decoder
+        return request_head(headers)
+    if head is None:
+        return None
+    return head[0], head[1], head[2], list(head[3])
+
+
+def request_head(headers: Any) -> Head | None:
     """(method, path, content-length or -1, other headers decoded) of a request's header list
     (bytes pairs), or None if it is malformed: unknown, repeated, missing or late pseudo-headers,
     an empty :path, upper-case or illegal names, connection-specific fields, NUL/CR/LF or edge
@@ -196,7 +221,7 @@ class _Stream:
         self.running = False  # the handler has not finished
         self.reset = False  # the client reset the stream
         self.responded = False
-        self.out: Body | None = None  # response body not yet handed to h2
+        self.out: Body | None = None  # response body not yet all framed (waits for window)
         self.off = 0
 
 
@@ -372,7 +397,7 @@ class H2ServerProtocol(asyncio.Protocol):
                 self._error("rapid_reset", "kept exceeding the stream cap: GOAWAY")
                 self._close(h2wire.ENHANCE_YOUR_CALM)
             return
-        head = request_head(raw_headers)
+        head = memo_request_head(raw_headers)
         if head is None:
             # Malformed (RFC 9113 8.1.1): a stream error, the connection's other streams go on.
             self._error("h2_malformed", "malformed request headers on stream %d", sid)
@@ -396,9 +421,10 @@ class H2ServerProtocol(asyncio.Protocol):
         except Exception as e:
             self._error("handler", "handler failed: %r", e)
             res = (500, [], b"")
-        if inspect.isawaitable(res):
+        # A Response is a tuple; anything else is the awaitable of one (cheaper than isawaitable).
+        if type(res) is not tuple:
             st.running = True
-            task = self.loop.create_task(self._await(sid, st, res))
+            task = self.loop.create_task(self._await(sid, st, cast(Awaitable[Response], res)))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
             return

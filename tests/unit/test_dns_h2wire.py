@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from meshgate.buffers import Buffer, BufferPool
 from meshgate.config import from_dict
 from meshgate.dns import h2wire
-from meshgate.dns.h2server import H2ServerProtocol
+from meshgate.dns.h2server import H2ServerProtocol, memo_request_head, request_head
 from meshgate.dns.h2wire import PREFACE, H2ConnectionError, H2Wire, frame
 from meshgate.dns.stats import ListenerStats
 
@@ -495,3 +495,19 @@ async def test_protocol_errors_close_the_connection_with_goaway() -> None:
     assert stats.snapshot()["errors"] == {"h2_protocol": 1}
     _close(srv)
     await asyncio.sleep(0)
+
+
+HEADS = [(b":method", b"GET"), (b":method", b"POST"), (b":path", b"/dns-query"), (b":scheme", b"https"),
+         (b":authority", b"x"), (b"content-type", b"application/dns-message"), (b"Content-Type", b"x"),
+         (b"content-length", b"33"), (b"x-a", b" pad"), (b"te", b"trailers"), (b"x-big", b"v" * 2000)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(HEADS), max_size=7), min_size=1, max_size=10))
+def test_memo_request_head_agrees_with_request_head(lists: list[list[tuple[bytes, bytes]]]) -> None:
+    for hs in lists + lists:  # the second pass is the memo's
+        got, want = memo_request_head(list(hs)), request_head(hs)
+        assert got == want
+        again = memo_request_head(list(hs))
+        if got is not None and again is not None:
+            assert got[3] is not again[3]  # the handler's own copy
