@@ -188,8 +188,10 @@ class H2Wire:
         return off
 
     def reset(self, sid: int, code: int) -> None:
-        self._out.append(frame(RST_STREAM_FRAME, 0, sid, _U32.pack(code)))
-        self.streams.pop(sid, None)
+        """Reset a stream that is open; nothing for one already closed (never two RST_STREAMs,
+        e.g. when a stream error here and the application's refusal meet in one read)."""
+        if self.streams.pop(sid, None) is not None:
+            self._out.append(frame(RST_STREAM_FRAME, 0, sid, _U32.pack(code)))
 
     def goaway(self, code: int = NO_ERROR) -> None:
         if not self.closed:
@@ -238,7 +240,8 @@ class H2Wire:
                 try:
                     self._frame(ftype, flags, sid, payload, events)
                 except _StreamError as e:
-                    self.reset(e.sid, e.code)
+                    self.streams.pop(e.sid, None)
+                    self._out.append(frame(RST_STREAM_FRAME, 0, e.sid, _U32.pack(e.code)))
                     events.append((RESET, e.sid, e.code, 0))
         except H2ConnectionError:
             self._buf = b""

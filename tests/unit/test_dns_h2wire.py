@@ -488,6 +488,35 @@ async def test_rapid_reset_past_the_cap_gets_enhance_your_calm() -> None:
     await asyncio.sleep(0)
 
 
+async def test_streams_we_reset_for_bad_frames_still_count_while_running() -> None:
+    """MadeYouReset (CVE-2025-8671): a client provoking our own stream errors (WINDOW_UPDATE of
+    0) while the handlers run must not get past the cap either."""
+    loop = asyncio.get_running_loop()
+    never: list[asyncio.Future[Any]] = []
+
+    def handler(method: str, path: str, headers: Any, body: bytes) -> Any:
+        never.append(loop.create_future())
+        return never[-1]
+
+    srv, t, _, stats = _proto(handler, doh_max_streams=2)
+    enc = hpack.Encoder()
+    bad = struct.pack(">L", 0)
+    srv.data_received(b"".join(
+        frame(h2wire.HEADERS_FRAME, H | h2wire.END_STREAM, sid, enc.encode(REQ))
+        + frame(h2wire.WINDOW_UPDATE_FRAME, 0, sid, bad) for sid in (1, 3, 5)))
+    out = frames(t.take())
+    assert [(sid, struct.unpack(">L", p)[0]) for ty, _, sid, p in out if ty == h2wire.RST_STREAM_FRAME] == [
+        (1, h2wire.PROTOCOL_ERROR), (3, h2wire.PROTOCOL_ERROR), (5, h2wire.PROTOCOL_ERROR)]  # one RST each
+    assert srv.active == 2 and stats.snapshot()["drops"] == {"max_streams": 1}
+    for fut in never:  # the handlers finish: their answers are dropped, the slots come back
+        fut.set_result((200, [], b"late"))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert srv.active == 0 and not srv.streams
+    _close(srv)
+    await asyncio.sleep(0)
+
+
 async def test_protocol_errors_close_the_connection_with_goaway() -> None:
     srv, t, _, stats = _proto(lambda *a: (200, [], b""))
     srv.data_received(frame(h2wire.PING_FRAME, 0, 0, b"short"))
