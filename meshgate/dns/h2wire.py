@@ -55,6 +55,7 @@ REQUEST, DATA, RESET, WINDOW, GOAWAY = 0, 1, 2, 3, 4
 
 DEFAULT_WINDOW = 65535
 DEFAULT_FRAME = 16384
+MAX_CONTINUATIONS = 32  # per header block: 16 KiB fits in two full frames; room for finer splits
 MAX_WINDOW = 2**31 - 1
 Event = tuple[int, int, Any, Any]
 
@@ -121,6 +122,7 @@ class H2Wire:
         self._block_sid = 0
         self._block_end = False
         self._block_bad = False
+        self._block_frames = 0
 
     # ------------------------------------------------------------------ output
 
@@ -363,12 +365,17 @@ class H2Wire:
         else:
             self._block = bytearray(block)
             self._block_sid, self._block_end, self._block_bad = sid, end, bad
+            self._block_frames = 0
 
     def _continuation(self, flags: int, sid: int, p: bytes, events: list[Event]) -> None:
         block = self._block
         if block is None or sid != self._block_sid:
             self._fail(PROTOCOL_ERROR, "unexpected CONTINUATION")
         block += p
+        self._block_frames += 1
+        # Empty CONTINUATIONs never grow the block: count them too (CVE-2024-27316 and kin).
+        if self._block_frames > MAX_CONTINUATIONS:
+            self._fail(ENHANCE_YOUR_CALM, "too many CONTINUATION frames")
         if len(block) > self.max_block:
             self._fail(ENHANCE_YOUR_CALM, "header block too large")
         if flags & END_HEADERS:

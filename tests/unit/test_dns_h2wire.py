@@ -150,6 +150,13 @@ def test_a_header_block_interrupted_by_another_frame_is_a_protocol_error() -> No
     assert e.value.code == h2wire.PROTOCOL_ERROR
 
 
+def test_empty_continuations_are_a_flood_too() -> None:
+    s = opened(frame(h2wire.HEADERS_FRAME, 0, 1, block()[:3]))
+    with pytest.raises(H2ConnectionError) as e:
+        s.receive(frame(h2wire.CONTINUATION_FRAME, 0, 1) * 100)
+    assert e.value.code == h2wire.ENHANCE_YOUR_CALM
+
+
 def test_a_continuation_flood_is_refused() -> None:
     s = opened(frame(h2wire.HEADERS_FRAME, 0, 1, block()))
     with pytest.raises(H2ConnectionError) as e:
