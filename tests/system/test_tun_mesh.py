@@ -76,13 +76,7 @@ def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
                                     "--udp", f"0.0.0.0:{PORT},[::]:{PORT}"])
         t.spawn("inet-echo", "inet", [sys.executable, "-m", "tests.system.tun_tools", "echo-server",
                                       "--tcp", f"0.0.0.0:{PORT},[::]:{PORT}", "--udp", f"0.0.0.0:{PORT}"])
-        for role in ("c", "b", "a"):
-            t.start_node(role)
-        try:
-            t.wait_ping("a", "10.144.144.3", timeout=30)
-        except AssertionError:
-            raise AssertionError("mesh did not come up:\n" + "\n".join(
-                f"--- {r}\n{t.log(r)}" for r in ("a", "b", "c"))) from None
+        t.start_line()
         yield t
     finally:
         t.destroy()
@@ -258,13 +252,7 @@ def test_tun_over_udp_links(tmp_path: Path) -> None:
             t.config(role, conf)
         t.spawn("lan-echo", "lan", [sys.executable, "-m", "tests.system.tun_tools", "echo-server",
                                     "--tcp", f"0.0.0.0:{PORT}", "--udp", f"0.0.0.0:{PORT}"])
-        for role in ("c", "b", "a"):
-            t.start_node(role)
-        try:
-            t.wait_ping("a", "10.144.144.3", timeout=30)
-        except AssertionError:
-            raise AssertionError("udp mesh did not come up:\n" + "\n".join(
-                f"--- {r}\n{t.log(r)}" for r in ("a", "b", "c"))) from None
+        t.start_line("udp mesh")
         assert t.tool("a", "ping", "10.144.144.3", "--count", "3")["replies"] == 3
         links = t.nsexec("a", "ss", "-Huanie", "dst", "172.31.9.2").stdout
         assert "fwmark:0x4d47" in links, f"A's udp link socket is not marked: {links}"

@@ -144,6 +144,17 @@ class Topology:
             sh("ip", "netns", "del", name, check=False)
         self.created.clear()
 
+    def start_line(self, what: str = "mesh", roles: tuple[str, ...] = ("c", "b", "a")) -> None:
+        """Start the nodes (far end first) and wait until A pings C's virtual IP through them;
+        if it never does, fail with every node's log."""
+        for role in roles:
+            self.start_node(role)
+        try:
+            self.wait_ping("a", "10.144.144.3", timeout=30)
+        except AssertionError:
+            raise AssertionError(f"{what} did not come up:\n" + "\n".join(
+                f"--- {r}\n{self.log(r)}" for r in sorted(roles))) from None
+
     # ------------------------------------------------------------------ waits
     def wait_ping(self, role: str, dst: str, timeout: float = 30) -> dict[str, object]:
         deadline = time.monotonic() + timeout
