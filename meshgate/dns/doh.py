@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import binascii
-import re
-from base64 import urlsafe_b64decode
 from collections.abc import Awaitable
 
 from meshgate.buffers import Buffer
@@ -28,23 +26,32 @@ from meshgate.dns.resolver import Frontend, Pipeline
 from meshgate.dns.stats import ListenerStats
 
 CONTENT_TYPE = "application/dns-message"
-_B64URL = re.compile(r"[A-Za-z0-9_-]*")
 _TEXT = [("content-type", "text/plain; charset=utf-8")]
+# base64url -> standard base64 for a2b_base64's strict mode, which then refuses everything
+# outside the base64url alphabet: '+', '/' and '=' become '!' (never valid), and so does any
+# other stray byte.
+_B64URL_TO_STD = bytes.maketrans(b"-_+/=", b"+/!!!")
+_PAD = (b"", b"", b"==", b"=")  # by length % 4 (1 is refused before)
+_OK_HEADERS_MAX = 4096  # distinct max-age values remembered (one header list each)
 
 
 def decode_get_param(query_string: str) -> bytes | None:
     """The `dns` parameter of a GET, or None if missing or not unpadded base64url."""
     value: str | None = None
-    for part in query_string.split("&"):
-        k, sep, v = part.partition("=")
-        if k == "dns" and sep:
-            value = v
-            break
-    if value is None or not value or _B64URL.fullmatch(value) is None or len(value) % 4 == 1:
+    if query_string[:4] == "dns=" and "&" not in query_string:
+        value = query_string[4:]  # what every client sends: the one parameter
+    else:
+        for part in query_string.split("&"):
+            k, sep, v = part.partition("=")
+            if k == "dns" and sep:
+                value = v
+                break
+    if not value or len(value) % 4 == 1:
         return None
     try:
-        return urlsafe_b64decode(value + "=" * (-len(value) % 4))
-    except (binascii.Error, ValueError):
+        raw = value.encode("ascii")
+        return binascii.a2b_base64(raw.translate(_B64URL_TO_STD) + _PAD[len(raw) % 4], strict_mode=True)
+    except (binascii.Error, UnicodeEncodeError):
         return None
 
 
@@ -58,6 +65,8 @@ class DohApp:
         self.stats = stats
         self.path = path
         self.loop = asyncio.get_running_loop()
+        # The 200 answer's header list per max-age: shared, never mutated (h2server only reads it).
+        self._ok_headers: dict[int, list[tuple[str, str]]] = {}
 
     def __call__(self, method: str, path: str, headers: list[tuple[str, str]],
                  body: bytes) -> Response | Awaitable[Response]:
@@ -103,4 +112,10 @@ class DohApp:
     def _ok(self, buf: Buffer | None, max_age: int) -> Response:
         if buf is None:  # dropped: too much in flight
             return _error(503, "busy\n", [("retry-after", "1")])
-        return (200, [("content-type", CONTENT_TYPE), ("cache-control", f"max-age={max_age}")], buf)
+        headers = self._ok_headers.get(max_age)
+        if headers is None:
+            if len(self._ok_headers) >= _OK_HEADERS_MAX:
+                self._ok_headers.clear()
+            headers = self._ok_headers[max_age] = [("content-type", CONTENT_TYPE),
+                                                   ("cache-control", f"max-age={max_age}")]
+        return (200, headers, buf)

@@ -65,6 +65,7 @@ class _MemoEncoder(hpack.Encoder):
     def __init__(self) -> None:
         super().__init__()
         self._memo: dict[tuple[Any, ...], tuple[bytes, Any, int, int]] = {}
+        self._responses: dict[tuple[Any, ...], tuple[bytes, Any, int, int]] = {}
 
     def encode(self, headers: Any, huffman: bool = True) -> bytes:
         table = self.header_table
@@ -89,6 +90,28 @@ class _MemoEncoder(hpack.Encoder):
             if len(self._memo) >= self.MEMO_MAX:
                 self._memo.clear()
             self._memo[key] = (block, first, size, maxsize)
+        return block
+
+    def encode_response(self, status: int, headers: list[tuple[str, str]], n: int) -> bytes:
+        """The block for `:status`, `headers`, `content-length: n`, memoized by (status, n,
+        headers) and the table state as in encode(): the repeated answer skips building the
+        list, the type checks and the outer memo's tuple."""
+        table = self.header_table
+        entries = table.dynamic_entries
+        first = entries[0] if entries else None
+        size = len(entries)
+        key = (status, n, *headers)
+        hit = self._responses.get(key)
+        if (hit is not None and hit[1] is first and hit[2] == size and hit[3] == table.maxsize
+                and not table.resized):
+            return hit[0]
+        full = [(":status", str(status)), *headers, ("content-length", str(n))]
+        block = self.encode(full)
+        if (not table.resized and (entries[0] if entries else None) is first and len(entries) == size
+                and all(type(h) is tuple for h in headers)):
+            if len(self._responses) >= self.MEMO_MAX:
+                self._responses.clear()
+            self._responses[key] = (block, first, size, table.maxsize)
         return block
 
 
@@ -240,8 +263,9 @@ class H2ServerProtocol(asyncio.Protocol):
         self.max_streams = limits.doh_max_streams
         # Inbound headers come as bytes and request_head() checks RFC 9113's rules in the one
         # pass that also picks out what we use; outbound headers are ours (fixed names, numbers).
+        self.encoder = _MemoEncoder()
         self.conn = H2Wire(max_streams=self.max_streams, max_header_list=MAX_HEADER_LIST,
-                           encoder=_MemoEncoder(), decoder=_MemoDecoder(MAX_HEADER_LIST))
+                           encoder=self.encoder, decoder=_MemoDecoder(MAX_HEADER_LIST))
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None
         self.streams: dict[int, _Stream] = {}
@@ -464,9 +488,27 @@ class H2ServerProtocol(asyncio.Protocol):
             _release(body, ok=False)
             self._finish(sid)
             return
-        n = _body_len(body)
-        self.conn.send_headers(sid, [(":status", str(status)), *headers, ("content-length", str(n))],
-                               end_stream=n == 0)
+        conn = self.conn
+        if type(body) is Buffer:
+            n = body.length
+            start = body.start
+            block = self.encoder.encode_response(status, headers, n)
+            # One HEADERS+DATA piece, copied out of the pool buffer by the join: recycle now.
+            # (The view is a temporary: released before the buffer goes back to its pool.)
+            if conn.respond(sid, block, memoryview(body.data)[start : start + n]):
+                body.recycle()
+                self._finish(sid)
+                self.out.append(conn.data_to_send())
+                return
+        else:
+            n = _body_len(body)
+            block = self.encoder.encode_response(status, headers, n)
+            if n and conn.respond(sid, block, body):  # type: ignore[arg-type]
+                self._finish(sid)
+                self.out.append(conn.data_to_send())
+                return
+        # Empty, or bigger than a frame or the windows allow now: HEADERS, then DATA as room appears.
+        conn.send_block(sid, block, end_stream=n == 0)
         if n == 0:
             _release(body, ok=True)
             self._finish(sid)

@@ -148,7 +148,10 @@ class H2Wire:
         return min(st.send_window, self.send_window)
 
     def send_headers(self, sid: int, headers: list[tuple[str, str]], end_stream: bool) -> None:
-        block = self.encoder.encode(headers)
+        self.send_block(sid, self.encoder.encode(headers), end_stream)
+
+    def send_block(self, sid: int, block: bytes, end_stream: bool) -> None:
+        """send_headers() for a header block the caller encoded with this connection's encoder."""
         flags = END_STREAM if end_stream else 0
         limit = self.peer_frame
         if len(block) <= limit:
@@ -162,6 +165,26 @@ class H2Wire:
                 self._out.append(frame(CONTINUATION_FRAME, flag, sid, block[a : a + limit]))
         if end_stream:
             self._local_end(sid)
+
+    def respond(self, sid: int, block: bytes, data: bytes | memoryview) -> bool:
+        """A whole response in one piece: HEADERS (an encoded `block`, END_HEADERS) and one DATA
+        frame with END_STREAM, joined into one bytes object now (so `data` may be reused at once).
+        Only when it fits the peer's frame size and both send windows, and `data` is not empty;
+        returns False without queueing anything otherwise (use send_headers/send_data)."""
+        st = self.streams.get(sid)
+        n = len(data)
+        limit = self.peer_frame
+        if (st is None or not n or n > limit or len(block) > limit or n > st.send_window
+                or n > self.send_window):
+            return False
+        pack = _HEAD.pack
+        b = len(block)
+        self._out.append(b"".join((pack(b >> 8, b & 0xFF, HEADERS_FRAME, END_HEADERS, sid), block,
+                                   pack(n >> 8, n & 0xFF, DATA_FRAME, END_STREAM, sid), data)))
+        st.send_window -= n
+        self.send_window -= n
+        self._local_end(sid)
+        return True
 
     def send_data(self, sid: int, data: bytes | memoryview, end_stream: bool) -> int:
         """Queue as much of `data` as the windows and the peer's frame size allow, in DATA frames;
