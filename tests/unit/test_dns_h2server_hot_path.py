@@ -57,6 +57,23 @@ def test_memo_encoder_matches_hpack_byte_for_byte(steps: list[tuple[str, object]
         assert list(memo.header_table.dynamic_entries) == list(plain.header_table.dynamic_entries)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([200, 400, 413]), st.sampled_from([0, 45, 113]),
+                          st.lists(st.tuples(st.sampled_from(["content-type", "cache-control"]),
+                                             st.sampled_from(["max-age=1", "max-age=2", "text/plain"])),
+                                   max_size=2),
+                          st.sampled_from([None, 100, 4096])), min_size=1, max_size=30))
+def test_memo_response_blocks_match_hpack(steps: list[Any]) -> None:
+    memo, plain = _MemoEncoder(), hpack.Encoder()
+    for status, n, hs, resize in steps:
+        if resize is not None:
+            memo.header_table_size = plain.header_table_size = resize
+        full = [(":status", str(status)), *hs, ("content-length", str(n))]
+        for _ in range(2):  # the second time is the memo's chance
+            assert memo.encode_response(status, hs, n) == plain.encode(full)
+        assert list(memo.header_table.dynamic_entries) == list(plain.header_table.dynamic_entries)
+
+
 def test_memo_serves_repeated_blocks() -> None:
     memo = _MemoEncoder()
     hs = [(b":status", b"200"), (b"content-type", b"application/dns-message")]

@@ -547,3 +547,24 @@ def test_memo_request_head_agrees_with_request_head(lists: list[list[tuple[bytes
         again = memo_request_head(list(hs))
         if got is not None and again is not None:
             assert got[3] is not again[3]  # the handler's own copy
+
+
+def test_respond_is_one_headers_and_data_piece_when_it_fits() -> None:
+    s, c = pair({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 100})
+    c.send_headers(1, REQ, end_stream=True)
+    c.send_headers(3, REQ, end_stream=True)
+    s.receive(c.data_to_send())
+    c.receive_data(s.data_to_send())
+    hblock = s.encoder.encode([(":status", "200"), ("content-length", "100")])
+    body = bytearray(b"a" * 100)
+    assert s.respond(1, hblock, memoryview(body))
+    body[:] = b"b" * 100  # joined at once: the caller may reuse its buffer
+    out = s.data_to_send()
+    assert [(t, f & (h2wire.END_STREAM | h2wire.END_HEADERS)) for t, f, _, _ in frames(out)] == [
+        (h2wire.HEADERS_FRAME, h2wire.END_HEADERS), (h2wire.DATA_FRAME, h2wire.END_STREAM)]
+    evs = c.receive_data(out)
+    assert [e.data for e in evs if isinstance(e, h2.events.DataReceived)] == [b"a" * 100]
+    assert any(isinstance(e, h2.events.StreamEnded) for e in evs) and 1 not in s.streams
+    # Over the stream window (or empty, or over a frame): nothing queued, the caller frames it.
+    assert not s.respond(3, hblock, b"x" * 101) and not s.respond(3, hblock, b"")
+    assert not s.respond(5, hblock, b"x") and s.data_to_send() == b"" and 3 in s.streams

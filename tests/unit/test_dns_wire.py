@@ -64,6 +64,30 @@ def test_rfc8484_vectors_decode() -> None:
     assert decode_get_param("name=x") is None
 
 
+_B64URL_TEXT = re.compile(r"[A-Za-z0-9_-]*")
+
+
+def _reference_get_param(qs: str) -> bytes | None:
+    """The plain reading of RFC 8484's rule (what decode_get_param must agree with)."""
+    value = next((v for k, sep, v in (p.partition("=") for p in qs.split("&")) if k == "dns" and sep), None)
+    if not value or _B64URL_TEXT.fullmatch(value) is None or len(value) % 4 == 1:
+        return None
+    try:
+        return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+    except ValueError:
+        return None
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.one_of(
+    st.text(alphabet="AQw09-_+/=&dns \n\x00\xe9", max_size=24),
+    st.text(alphabet="AQw09-_+/=\n\xe9", max_size=24).map(lambda v: "dns=" + v),
+    st.binary(max_size=40).map(lambda b: "dns=" + base64.urlsafe_b64encode(b).decode().rstrip("=")),
+))
+def test_get_param_decoding_agrees_with_the_rfc_reading(qs: str) -> None:
+    assert decode_get_param(qs) == _reference_get_param(qs)
+
+
 def test_rfc8484_response_example_parses_with_max_age() -> None:
     key = (wire.encode_name("www.example.com"), 28, 1)
     ans = wire.parse_response(RFC_RESPONSE, 0, key, 0.0)
