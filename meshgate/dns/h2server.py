@@ -101,13 +101,16 @@ class _MemoEncoder(hpack.Encoder):
         first = entries[0] if entries else None
         size = len(entries)
         key = (status, n, *headers)
+        # A pending table-size update goes into the next block: never served from, nor stored in,
+        # the memo.
+        resized = table.resized
         hit = self._responses.get(key)
         if (hit is not None and hit[1] is first and hit[2] == size and hit[3] == table.maxsize
-                and not table.resized):
+                and not resized):
             return hit[0]
         full = [(":status", str(status)), *headers, ("content-length", str(n))]
         block = self.encode(full)
-        if (not table.resized and (entries[0] if entries else None) is first and len(entries) == size
+        if (not resized and (entries[0] if entries else None) is first and len(entries) == size
                 and all(type(h) is tuple for h in headers)):
             if len(self._responses) >= self.MEMO_MAX:
                 self._responses.clear()
