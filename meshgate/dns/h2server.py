@@ -442,9 +442,10 @@ class H2ServerProtocol(asyncio.Protocol):
             self._dispatch(sid, st)
 
     def _dispatch(self, sid: int, st: _Stream) -> None:
-        current_peer.set(self.peer)
+        if current_peer.get() is not self.peer:  # a set() costs a new context mapping each time
+            current_peer.set(self.peer)
         try:
-            res = self.handler(st.method, st.path, st.headers, bytes(st.body))
+            res = self.handler(st.method, st.path, st.headers, bytes(st.body) if st.body else b"")
         except Exception as e:
             self._error("handler", "handler failed: %r", e)
             res = (500, [], b"")

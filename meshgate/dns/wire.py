@@ -232,7 +232,7 @@ class Answer:
     data, which always carries its full TTL.
     """
 
-    __slots__ = ("aging", "rcode", "stored", "ttl", "ttl_offsets", "ttls", "wire")
+    __slots__ = ("aged", "aging", "rcode", "stored", "ttl", "ttl_offsets", "ttls", "wire")
 
     def __init__(self, wire: bytes, ttl_offsets: tuple[int, ...], ttls: tuple[int, ...], ttl: int,
                  rcode: int, stored: float = 0.0, aging: bool = True) -> None:
@@ -243,6 +243,9 @@ class Answer:
         self.rcode = rcode
         self.stored = stored
         self.aging = aging
+        # (age in seconds, `wire` with every TTL aged by it): a cache hit within the same second
+        # copies it instead of patching each TTL again.
+        self.aged: tuple[int, bytes] | None = None
 
     def remaining(self, now: float) -> int:
         if not self.aging:
@@ -462,6 +465,18 @@ def pack_answer(buf: Buffer, ans: Answer, q: Query, now: float, *, limit: int = 
     header + question with TC set."""
     wire = ans.wire
     n = len(wire)
+    remaining = ans.ttl
+    if ans.aging:
+        age = int(now - ans.stored)
+        if age > 0:
+            remaining = max(remaining - age, 0)
+            aged = ans.aged
+            if aged is None or aged[0] != age:
+                patched = bytearray(wire)
+                for off, ttl in zip(ans.ttl_offsets, ans.ttls, strict=True):
+                    _U32.pack_into(patched, off, ttl - age if ttl > age else 0)
+                aged = ans.aged = (age, bytes(patched))
+            wire = aged[1]
     base = buf.headroom
     data = buf.data
     data[base : base + n] = wire
@@ -471,13 +486,6 @@ def pack_answer(buf: Buffer, ans: Answer, q: Query, now: float, *, limit: int = 
     _U16.pack_into(data, base + 2, (flags & ~(FLAG_RD | FLAG_CD)) | (q.flags & (FLAG_RD | FLAG_CD)))
     qlen = len(q.question)
     data[base + 12 : base + 12 + qlen] = q.question  # the client's letter case (0x20)
-    remaining = ans.ttl
-    if ans.aging:
-        age = int(now - ans.stored)
-        if age > 0:
-            remaining = max(remaining - age, 0)
-            for off, ttl in zip(ans.ttl_offsets, ans.ttls, strict=True):
-                _U32.pack_into(data, base + off, ttl - age if ttl > age else 0)
     end = base + n
     pad_to = RESPONSE_PAD_BLOCK if pad and q.edns else 0
     if q.edns:

@@ -160,6 +160,19 @@ def test_pack_patches_id_case_and_ttls_in_place() -> None:
     assert ans.wire[:2] == b"\x00\x00"  # the stored answer is never modified
 
 
+def test_pack_ages_ttls_each_second_from_its_memo() -> None:
+    ans, _key = make_answer()
+    q = wire.parse_query(dns.message.make_query("five.example", "A").to_wire())
+    ttls = []
+    for now in (1040.5, 1040.9, 1041.2, 1040.1, 1200.0):  # same second twice, later, earlier, expired
+        b = buf()
+        max_age = wire.pack_answer(b, ans, q, now)
+        r = dns.message.from_wire(b.tobytes())
+        ttls.append((max_age, [rr.ttl for rr in r.answer]))
+    assert ttls == [(60, [60]), (60, [60]), (59, [59]), (60, [60]), (0, [0])]
+    assert ans.aged is not None and ans.aged[0] == 200 and ans.wire[:2] == b"\x00\x00"
+
+
 def test_padding_blocks_and_udp_truncation() -> None:
     ans, _ = make_answer()
     m = dns.message.make_query("five.example", "A", use_edns=0, pad=468)
