@@ -6,10 +6,10 @@ Two tables (bench/common.py runner: alternating rounds, medians):
    A records (a cache hit) through the real HTTP/2 server protocol
    (h2server.H2ServerProtocol + DohApp + pipeline + packing) with a fake
    transport. Variants: `unpooled` (a fresh buffer per answer, the baseline)
-   and `pooled` (BufferPool, recycle after h2 copied the answer). Reported per
-   query: wall and CPU microseconds, gc collections, tracemalloc peak and held
-   bytes/blocks, and answer buffers newly allocated (the pool's counter) with
-   the bytes they cost. The seed's own measure is one million queries:
+   and `pooled` (BufferPool, recycled once h2wire has joined the answer into
+   its frames). Reported per query: wall and CPU microseconds, gc collections,
+   tracemalloc peak and held bytes/blocks, and answer buffers newly allocated
+   (the pool's counter) with the bytes they cost. The seed's own measure is one million queries:
    `--alloc-queries 1000000` (slow: minutes per round).
 
 2. dns-load (loopback): queries/s, lost queries, latency p50/p99 (dnsperf -v,
@@ -209,7 +209,7 @@ def pack_variant(pooled: bool, n: int) -> Metrics:
             assert ans is not None
             buf = pipeline.buffer(wire.packed_size(ans, query, False))
             wire.pack_answer(buf, ans, query, 1.0)
-            buf.recycle()  # what a copying writer (h2 send_data, sendto) allows
+            buf.recycle()  # what a copying writer (h2wire's frame join, sendto) allows
 
     return measure_in_process(run, n)
 

@@ -8,8 +8,10 @@ Lifetime rules, enforced here and by the `release_after_*` helpers:
 
 * A buffer returns to the pool only after the write that consumed it
   *succeeded* and nothing else holds it.
-* h2 `send_data` and aioquic `send_stream_data` copy their argument: the
-  buffer is free once they return without raising.
+* aioquic `send_stream_data` copies its argument: the buffer is free once it
+  returns without raising. The DoH server's h2wire (meshgate/dns/h2wire.py)
+  copies a body when it joins the frames (`respond()`, or `data_to_send()`
+  after `send_data`): free from then on.
 * asyncio's `transport.write` may keep a view of the caller's memory (uvloop
   and CPython 3.12+ both can), so for a TCP/TLS transport the buffer is free
   only once `get_write_buffer_size()` is 0; until then it is parked and
@@ -168,7 +170,7 @@ def _has_exports(data: bytearray) -> bool:
 
 
 def release_after_copying_write(buf: Buffer, ok: bool) -> None:
-    """For writers that copy (h2 send_data, aioquic send_stream_data, sendto)."""
+    """For writers that copy (h2wire's frame join, aioquic send_stream_data, sendto)."""
     if ok:
         buf.recycle()
     else:

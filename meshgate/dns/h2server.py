@@ -9,7 +9,8 @@ The application is a callable
 returning a Response directly when it is known now (no task, no await: the
 cache-hit path) or an awaitable. `current_peer` holds the client address
 while the handler runs (for log lines). A Buffer body goes back to its pool
-once its last chunk has been copied out in the frames of `data_to_send()`;
+once its last chunk has been copied into frames (at once when the answer fits
+one DATA frame and the windows: h2wire.respond(); else by `data_to_send()`);
 a body still queued when the client resets the stream is dropped.
 
 Bounds: request bodies ≤ 65535 bytes (413), header block ≤ 16 KiB, concurrent

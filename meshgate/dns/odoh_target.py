@@ -12,7 +12,8 @@ seconds; the previous key stays accepted until the next rotation, so a
 client holding a just-replaced config keeps working for one full period.
 
 Answers are sealed straight into a pooled buffer (`seal_response_into`) that
-the HTTP layer recycles only after h2 `send_data` took it.
+the HTTP layer recycles once h2wire has copied it into its frames (the join in
+`respond()`/`data_to_send()`), and drops if the stream is reset first.
 """
 
 from __future__ import annotations
