@@ -10,7 +10,9 @@ TCP/TLS park a written buffer until the transport's buffer is empty
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 from collections import deque
 from typing import Any, cast
 
@@ -24,6 +26,12 @@ log = logging.getLogger("meshgate.dns")
 rlog = RateLimitedLog(log)
 
 MAX_PARKED = 64  # buffers parked per connection before we stop tracking (drop) them
+# The UDP listener's receive buffer: the kernel's default (~208 KiB) holds only about 200 queries
+# on loopback (each datagram costs ~1 KiB of buffer), so a burst from a client with a few hundred
+# queries outstanding was dropped by the kernel before we could read it (UdpRcvbufErrors). The
+# kernel caps SO_RCVBUF at net.core.rmem_max (often that same default), so as root we force it.
+UDP_RCVBUF = 4 << 20
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 
 
 class UdpDnsProtocol(asyncio.DatagramProtocol):
@@ -216,6 +224,13 @@ async def start_udp(pipeline: Pipeline, stats: ListenerStats, host: str,
     transport, _ = await loop.create_datagram_endpoint(
         lambda: UdpDnsProtocol(pipeline, stats), local_addr=(host, port), reuse_port=reuse_port or None
     )
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, UDP_RCVBUF)  # root: beyond rmem_max
+        except OSError:
+            with contextlib.suppress(OSError):  # best effort: the default still works
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RCVBUF)
     return transport
 
 

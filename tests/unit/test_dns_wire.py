@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import re
+import socket
 import struct
 import types
 from pathlib import Path
@@ -26,6 +28,7 @@ from meshgate.dns import wire
 from meshgate.dns.cache import AnswerCache
 from meshgate.dns.doh import DohApp, decode_get_param
 from meshgate.dns.doq import DoqProtocolError, DoqStreamState, check_doq_query
+from meshgate.dns.plain import UDP_RCVBUF, start_udp
 from meshgate.dns.resolver import Pipeline
 from meshgate.dns.stats import ListenerStats
 from tests.helpers import VECTORS as VECTOR_DIR
@@ -516,3 +519,16 @@ async def test_doq_internal_error_resets_only_that_stream(tmp_path: Path) -> Non
                                                  stream_id=0))
     assert resets == [(0, DOQ_INTERNAL_ERROR)] and not proto.closed
     assert proto.stats.snapshot()["errors"]["internal"] == 1
+
+
+async def test_udp_listener_has_room_for_a_burst_of_queries() -> None:
+    cfg = from_dict({"node": {"name": "t"}})
+    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
+    t = await start_udp(p, ListenerStats("udp-rcvbuf"), "127.0.0.1", 0)
+    try:
+        got = t.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        rmem_max = int(Path("/proc/sys/net/core/rmem_max").read_text())
+        # Linux doubles what was asked (bookkeeping); without root the cap is rmem_max.
+        assert got >= 2 * (UDP_RCVBUF if os.geteuid() == 0 else min(UDP_RCVBUF, rmem_max))
+    finally:
+        t.close()
