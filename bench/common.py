@@ -51,7 +51,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -417,6 +417,18 @@ class Targets:
             self.proc.wait(5)
 
 
+def stop_processes(procs: Iterable[subprocess.Popen[Any]], timeout: float = 10) -> None:
+    """SIGTERM all first (they shut down in parallel), then wait for each; SIGKILL a straggler."""
+    procs = list(procs)
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def connect_request(host: str, port: int) -> bytes:
     """SOCKS5 CONNECT request for an IPv4 address or a name (ATYP 1 or 3)."""
     try:
@@ -743,17 +755,8 @@ class Runner:
             cells.append(str(len(self.results[name])))
             rows.append(cells)
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-        lines = [f"{self.title}: medians of {self.rounds} alternating rounds"]
-        for cells in [header, *rows]:
-            lines.append(
-                "  ".join(
-                    c.rjust(w) if i else c.ljust(w)
-                    for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-                )
-            )
-        for name, err in self.errors.items():
-            lines.append(f"  {name}: {err}")
-        return "\n".join(lines)
+        title = f"{self.title}: medians of {self.rounds} alternating rounds"
+        return self._render(title, header, rows, widths)
 
     def table_by_metric(self) -> str:
         """The same medians transposed, one metric per line and one variant per column, with the
@@ -771,7 +774,12 @@ class Runner:
             rows.append(cells)
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
         counts = ", ".join(f"{n}: {len(self.results[n])}" for n in self._variants)
-        lines = [f"{self.title}: medians of {self.rounds} alternating rounds (rounds run: {counts})"]
+        title = f"{self.title}: medians of {self.rounds} alternating rounds (rounds run: {counts})"
+        return self._render(title, header, rows, widths)
+
+    def _render(self, title: str, header: list[str], rows: list[list[str]], widths: list[int]) -> str:
+        """Title, aligned columns (first left, the rest right), then any variant's error."""
+        lines = [title]
         for cells in [header, *rows]:
             lines.append(
                 "  ".join(

@@ -59,6 +59,7 @@ from bench.common import (
     proc_peak_rss_kib,
     report,
     self_cpu_seconds,
+    stop_processes,
     wait_port,
 )
 from meshgate.mesh.routing import Record, RouteTable, encode_records
@@ -178,13 +179,7 @@ class Children:
         return proc_peak_rss_kib(self.procs[name].pid) / 1024
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs.values())
         self.tmp.cleanup()
 
 
@@ -575,13 +570,7 @@ class PortalLine:
         return out
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs.values())
         self.tmp.cleanup()
 
 

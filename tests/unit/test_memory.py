@@ -5,10 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from meshgate import memory
-from tests.helpers import async_wait_until
+from tests.helpers import async_wait_until, require
 
 CHILD = r"""
 import re
@@ -30,8 +28,8 @@ print(before, after, int(released))
 """
 
 
-@pytest.mark.skipif(memory._malloc_trim is None, reason="C library without malloc_trim")
 def test_trim_returns_freed_heap_to_the_kernel() -> None:
+    require(memory._malloc_trim is not None, "a C library with malloc_trim (glibc)")
     argv = [sys.executable, "-c", CHILD]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60)
     before, after, released = map(int, out.stdout.split())
