@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import logging
 from collections.abc import Callable
 
@@ -21,11 +20,10 @@ log = logging.getLogger("meshgate.memory")
 
 
 def _load_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    # The symbols already loaded into this process (libc among them): no find_library, which
+    # would run ldconfig in a subprocess at every start.
     try:
-        fn = ctypes.CDLL(name).malloc_trim
+        fn = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_size_t]
