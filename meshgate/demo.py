@@ -116,6 +116,9 @@ class Demo:
         ip("link", "add", f"{p}-front", "type", "veth", "peer", "name", "front0", "netns", ns["relay"])
         self.host_links.append(f"{p}-front")
         ip("addr", "add", "172.28.1.2/24", "dev", f"{p}-front")
+        # No IPv6 link-local on the host's side: its DAD finishing a second after the link comes up is
+        # an address change, and browsers abort page loads that straddle one (net::ERR_NETWORK_CHANGED).
+        ip("link", "set", "dev", f"{p}-front", "addrgenmode", "none")
         ip("link", "set", f"{p}-front", "up")
         ip("-n", ns["relay"], "addr", "add", "172.28.1.3/24", "dev", "front0")
         ip("-n", ns["relay"], "link", "set", "front0", "up")

@@ -81,6 +81,14 @@ def test_curl_reaches_web_through_the_mesh(demo: dict[str, object], url: str) ->
     assert "Hello from web" in r.stdout and "<b id=served-by>web</b>" in r.stdout
 
 
+def test_host_link_makes_no_late_address_changes(demo: dict[str, object]) -> None:
+    # A browser started after "demo is up" must not see the host's addresses change under it (a
+    # CI run lost a Chromium page load to net::ERR_NETWORK_CHANGED from the veth's IPv6 DAD).
+    r = subprocess.run(["ip", "-6", "addr", "show", "dev", f"{demo['prefix']}-front"],
+                       capture_output=True, text=True, check=True)
+    assert "inet6" not in r.stdout, r.stdout
+
+
 def test_chromium_shows_the_web_page(demo: dict[str, object]) -> None:
     chromium = require_tool("chromium")
     ports = demo["ports"]
