@@ -193,6 +193,9 @@ class LimitsConfig:
     udp_link_gso: bool = True  # udp:// links: batch sends with UDP_SEGMENT (GSO) where the kernel has it
     udp_link_read_batch: int = 256  # udp:// links: datagrams read per socket wake-up before yielding
     udp_link_send_queue: int = 4096  # udp:// links: packets held while the socket is full (EAGAIN); more drop
+    udp_link_reassembly: int = 64  # udp:// links: datagrams in reassembly from pieces; more: oldest lost
+    udp_link_reassembly_bytes: int = 1048576  # udp:// links: fragment bytes held for reassembly per link
+    udp_link_reassembly_timeout: float = 0.5  # udp:// links: seconds a datagram may wait for its pieces
     tun_read_batch: int = 256  # packets read from the TUN device per loop wake-up before yielding
     tun_write_queue: int = 4096  # mesh packets queued for the TUN device within one loop tick
     dns_timeout: float = 3.0

@@ -73,6 +73,10 @@ _retransmits = REGISTRY.counter(
 _dropped = REGISTRY.counter(
     "meshgate_mesh_udp_link_dropped_total", "Packets dropped on udp:// links", ("reason",)
 )
+_fragmented = REGISTRY.counter(
+    "meshgate_mesh_udp_link_fragmented_total",
+    "Datagrams too big for one packet: sent in pieces (out), put together again (in)", ("direction",),
+)
 
 
 def _sock_buffers(sock: socket.socket) -> None:
@@ -326,12 +330,15 @@ class UdpLink(LinkBase):
             payload=payload_size(limits.udp_link_mtu, sock.family == socket.AF_INET6),
             window=limits.udp_link_window, queue_limit=limits.udp_link_queue,
             max_retransmits=limits.udp_link_retransmits, on_established=self._established,
+            reassembly=limits.udp_link_reassembly, reassembly_bytes=limits.udp_link_reassembly_bytes,
+            reassembly_timeout=limits.udp_link_reassembly_timeout,
         )
         self._flush_scheduled = False
         self._timer_handle: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._gone = False
         self._reported = (0, 0)  # retransmits, beyond-window drops already counted
+        self._frags_reported = (0, 0, 0, 0, 0)  # fragment counts already in the metrics
 
     @property
     def local_id(self) -> int:
@@ -396,7 +403,25 @@ class UdpLink(LinkBase):
         if s.beyond_window > beyond:
             _dropped.labels("beyond_window").inc(s.beyond_window - beyond)
         self._reported = (s.retransmits, s.beyond_window)
+        frags = (s.fragmented_out, s.reassembled, s.frag_timeout, s.frag_evicted, s.frag_malformed)
+        if frags != self._frags_reported:
+            self._report_fragments(frags)
         return s.replayed, s.forged, s.malformed
+
+    def _report_fragments(self, frags: tuple[int, int, int, int, int]) -> None:
+        old = self._frags_reported
+        self._frags_reported = frags
+        d_out, d_in, timeout, evicted, malformed = (new - was for new, was in zip(frags, old, strict=True))
+        if d_out:
+            _fragmented.labels("out").inc(d_out)
+        if d_in:
+            _fragmented.labels("in").inc(d_in)
+        for reason, n in (("reassembly_timeout", timeout), ("reassembly_full", evicted),
+                          ("fragment_malformed", malformed)):
+            if n:
+                _dropped.labels(reason).inc(n)
+                _rlog.debug(f"{reason}:{self.addr}", "udp link %s: %d fragmented datagrams from %s lost (%s)",
+                            self.url, n, self.addr, reason)
 
     def _flush(self) -> None:
         self._flush_scheduled = False

@@ -176,6 +176,12 @@ class MeshService:
 
             mtu = limits.udp_link_mtu
             raise StartupError(f"limits.udp_link_mtu: at least 576 for udp:// links, not {mtu}")
+        if any(u.scheme == "udp" for u in urls) and limits.udp_link_reassembly_bytes < 1 << 17:
+            from meshgate.node import StartupError
+
+            # room for one datagram of the largest size (64 KiB) with what its pieces cost
+            n = limits.udp_link_reassembly_bytes
+            raise StartupError(f"limits.udp_link_reassembly_bytes: at least 131072 for udp:// links, not {n}")
         self._running = True
         for url in self.config.mesh.listen:
             if url.scheme == "tcp":

@@ -10,6 +10,8 @@ Wire format (docs/PROTOCOL.md section 2.5 has the full text):
                | SEG   0x02 | segment number u32 | length u16 | bytes of the reliable stream
                | DGRAM 0x03 | length u16 | one frame (frames.FRAME header + body), unreliable
                | CLOSE 0x04                                    the sender closed the link
+               | DFRAG 0x05 | datagram id u32 | total u16 | offset u16 | length u16 | bytes
+                                        a piece of one DATAGRAM frame too big for a packet
 
 Every data packet is ONE record sealed with frames.SendCipher (explicit epoch and
 counter, so a receiver opens packets in any order, with the 64-record replay window
@@ -19,15 +21,20 @@ that asked for it, and only the initiator retransmits (msg1 until msg2 arrives, 
 until the responder's first sealed packet arrives): a responder sends one msg2 per
 msg1 received and nothing else before the handshake completes.
 
-The reliable channel carries every frame except DATAGRAM frames that fit one packet:
-the frames are encoded back to back into a byte stream that is cut into numbered
-segments (one per packet). The receiver acknowledges cumulatively with a SACK bitmap
-in every packet it sends (each flush, i.e. once per loop tick, sends a pure ACK when
-nothing else carries one). The sender keeps at most min(cwnd, window) bytes
-unacknowledged (NewReno-style cwnd: slow start, halving on loss, reset on timeout),
-retransmits a segment that three later segments overtook, and on a retransmission
-timeout (RTO from the measured RTT, RFC 6298, doubled per timeout) the oldest
-unacknowledged one; `max_retransmits` timeouts in a row without progress fail the link.
+DATAGRAM frames never use the reliable channel: one that fits a packet travels whole
+(DGRAM); a bigger one (up to 65535 frame bytes) is cut into DFRAG pieces packed densely
+into the room packets have left (so runs of full-size packets stay GSO-friendly) and
+reassembled by the receiver in a bounded table (entries, bytes, a timeout): a lost
+piece loses that datagram only, which is counted by reason.
+
+The reliable channel carries every other frame: the frames are encoded back to back
+into a byte stream that is cut into numbered segments (one per packet). The receiver
+acknowledges cumulatively with a SACK bitmap in every packet it sends (each flush, i.e.
+once per loop tick, sends a pure ACK when nothing else carries one). The sender keeps
+at most min(cwnd, window) bytes unacknowledged (NewReno-style cwnd: slow start, halving
+on loss, reset on timeout), retransmits a segment that three later segments overtook,
+and on a retransmission timeout (RTO from the measured RTT, RFC 6298, doubled per
+timeout) the oldest unacknowledged one; `max_retransmits` timeouts in a row without progress fail the link.
 
 No socket, no clock: `receive(packet, now)`, `send_frame(...)`, `packets_to_send(now)`,
 `deadline()` / `on_timer(now)`. Errors that end the link raise frames.LinkError; bad
@@ -39,6 +46,7 @@ from __future__ import annotations
 import struct
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from meshgate.mesh.frames import (
     DATAGRAM,
@@ -75,6 +83,11 @@ CH_CLOSE = 0x04
 ACK = struct.Struct("!BIQ")
 SEG = struct.Struct("!BIH")
 DGRAM = struct.Struct("!BH")
+CH_DFRAG = 0x05
+DFRAG = struct.Struct("!BIHHH")  # type, datagram id, total frame bytes, offset, piece length
+DFRAG_MAX = 0xFFFF  # a bigger frame (65536 bytes: a full-size body) takes the reliable channel
+FRAG_MIN = 64  # smallest piece but a datagram's last: leftover room below this starts a new packet
+PIECE_COST = 128  # bytes a held piece is charged beyond its length (objects, dict slot)
 SACK_BITS = 64
 MASK = 0xFFFFFFFF
 
@@ -119,6 +132,26 @@ def _unwrap(wire: int, ref: int) -> int:
     return ref + d
 
 
+class _Reassembly:
+    """The pieces of one fragmented datagram received so far."""
+
+    __slots__ = ("cost", "created", "end", "got", "in_order", "pieces", "total")
+
+    def __init__(self, total: int, created: float) -> None:
+        self.total = total
+        self.created = created
+        self.got = 0  # piece bytes held
+        self.cost = 0  # what they are charged against the table's byte bound
+        self.end = 0  # the highest end of a piece so far: a piece at or past it overlaps nothing
+        self.in_order = True  # every piece came at or past `end` (the pieces dict is in offset order)
+        self.pieces: dict[int, bytes | memoryview] = {}  # offset -> piece
+
+    def overlaps(self, off: int, n: int) -> bool:
+        """Only for a piece that came out of order (rare): against every piece held."""
+        end = off + n
+        return any(o < end and off < o + len(p) for o, p in self.pieces.items())
+
+
 class UdpSession:
     """One end of one udp:// link. `local_id` is this side's session id (random, non-zero)."""
 
@@ -134,6 +167,9 @@ class UdpSession:
         queue_limit: int = 32 << 20,
         max_retransmits: int = 8,
         on_established: Callable[[], None] | None = None,
+        reassembly: int = 64,
+        reassembly_bytes: int = 1 << 20,
+        reassembly_timeout: float = 0.5,
     ) -> None:
         if payload < DATA_OVERHEAD + ACK.size + SEG.size + FRAME.size + 64:
             raise ValueError(f"UDP payload of {payload} bytes is too small for a link")
@@ -183,9 +219,17 @@ class UdpSession:
         self._rx_max_segments = self.window // self.seg_room + SACK_BITS
         self._ack_owed = False
         self._frames_seen = False  # datagrams wait for the first reliable frame (the HELLO)
-        # unreliable datagrams: complete frames, packed into packets at the next flush
-        self._dgrams: deque[bytes] = deque()
+        # unreliable datagrams, packed into packets at the next flush: whole frames (bytes), and
+        # frames too big for a packet as [id, frame view, offset of the next piece]
+        self._dgrams: deque[bytes | list[Any]] = deque()
         self._dgram_bytes = 0
+        self._dgram_id = 0
+        # reassembly of fragmented datagrams: id -> _Reassembly, oldest first (insertion order)
+        self._frags: dict[int, _Reassembly] = {}
+        self._frag_bytes = 0  # bytes held (pieces plus PIECE_COST each)
+        self.reassembly = max(1, reassembly)
+        self.reassembly_bytes = reassembly_bytes
+        self.reassembly_timeout = reassembly_timeout
         self._close = False
         # counters the adapter reports
         self.packets_in = 0
@@ -197,6 +241,11 @@ class UdpSession:
         self.unexpected = 0  # handshake packets out of turn, early data: harmless, dropped
         self.beyond_window = 0
         self.duplicates = 0
+        self.fragmented_out = 0  # datagrams sent in pieces
+        self.reassembled = 0  # datagrams put together again and delivered
+        self.frag_timeout = 0  # incomplete datagrams lost: a piece did not come in time
+        self.frag_evicted = 0  # incomplete datagrams lost to the table bounds (entries, bytes)
+        self.frag_malformed = 0  # pieces (and the datagrams they belong to) dropped as invalid
 
     # ------------------------------------------------------------------ state
 
@@ -366,6 +415,21 @@ class UdpSession:
                 else:
                     self.unexpected += 1  # before the HELLO (still on its way): the link is not up
                 pos += n
+            elif t == CH_DFRAG:
+                if end - pos < DFRAG.size:
+                    break
+                _, fid, total, off, n = DFRAG.unpack_from(plain, pos)
+                pos += DFRAG.size
+                if end - pos < n:
+                    break
+                if self._frames_seen:
+                    # a piece that is most of its packet is kept as a view of the packet; a small
+                    # one is copied, so a held piece never pins much more than its own bytes
+                    piece = view[pos : pos + n] if 2 * n >= end else bytes(view[pos : pos + n])
+                    self._on_fragment(fid, total, off, piece, now)
+                else:
+                    self.unexpected += 1
+                pos += n
             elif t == CH_CLOSE:
                 raise LinkError("closed", "peer closed the link")
             else:
@@ -373,6 +437,83 @@ class UdpSession:
         else:
             return
         self.malformed += 1
+
+    def _on_fragment(self, fid: int, total: int, off: int, piece: bytes | memoryview, now: float) -> None:
+        """One DFRAG piece: held until its datagram is whole, which then goes to on_frame."""
+        frags = self._frags
+        # expire from the oldest: entries are in creation order
+        limit = now - self.reassembly_timeout
+        while frags:
+            first = next(iter(frags))
+            if frags[first].created > limit:
+                break
+            self._drop_entry(first)
+            self.frag_timeout += 1
+        n = len(piece)
+        entry = frags.get(fid)
+        if (
+            total < FRAME.size or off + n > total or not n
+            or (off + n < total and n < FRAG_MIN)  # a sender cuts pieces of FRAG_MIN at least
+            or total + PIECE_COST > self.reassembly_bytes
+            or (entry is not None and (entry.total != total or entry.got + n > total
+                                       or (off < entry.end and entry.overlaps(off, n))))
+        ):
+            self.frag_malformed += 1
+            if entry is not None:
+                self._drop_entry(fid)
+            return
+        if entry is None:
+            if n == total:
+                self._deliver_datagram(piece)  # a whole frame in one piece (a tiny MTU's leftover)
+                return
+            while len(frags) >= self.reassembly:
+                self._drop_entry(next(iter(frags)))
+                self.frag_evicted += 1
+            entry = frags[fid] = _Reassembly(total, now)
+        cost = n + PIECE_COST
+        while self._frag_bytes + cost > self.reassembly_bytes:
+            oldest = next(iter(frags))
+            self._drop_entry(oldest)
+            self.frag_evicted += 1
+            if oldest == fid:
+                return
+        entry.pieces[off] = piece
+        entry.got += n
+        entry.cost += cost
+        self._frag_bytes += cost
+        if off >= entry.end:
+            entry.end = off + n
+        else:
+            entry.in_order = False
+        if entry.got < total:
+            return
+        # no piece overlaps another and they add up to the total: they cover it exactly
+        self._drop_entry(fid)
+        pieces = entry.pieces
+        if entry.in_order:
+            self._deliver_datagram(b"".join(pieces.values()))
+        else:
+            self._deliver_datagram(b"".join(p for _, p in sorted(pieces.items())))
+
+    def _drop_entry(self, fid: int) -> None:
+        entry = self._frags.pop(fid)
+        self._frag_bytes -= entry.cost
+
+    def _deliver_datagram(self, frame: bytes | memoryview) -> None:
+        """A reassembled frame: exactly one DATAGRAM frame, or it is dropped as malformed."""
+        if len(frame) < FRAME.size:
+            self.frag_malformed += 1
+            return
+        ftype, flags, hop, length, src, dst = FRAME.unpack_from(frame)
+        if ftype != DATAGRAM or FRAME.size + length != len(frame):
+            self.frag_malformed += 1
+            return
+        self.reassembled += 1
+        self.on_frame(ftype, flags, hop, src, dst, memoryview(frame)[FRAME.size :])
+
+    def reassembly_held(self) -> tuple[int, int]:
+        """(datagrams being reassembled, bytes charged for their pieces)."""
+        return len(self._frags), self._frag_bytes
 
     def _on_segment(self, wire: int, data: memoryview) -> None:
         self._ack_owed = True
@@ -530,12 +671,17 @@ class UdpSession:
         head: bytes | bytearray | memoryview,
         data: bytes | bytearray | memoryview = b"",
     ) -> None:
-        """Queue one frame: a DATAGRAM that fits a packet goes unreliably, anything else on
-        the reliable channel (a DATAGRAM too big for one packet as well: it is never split)."""
+        """Queue one frame: a DATAGRAM goes unreliably (whole if it fits a packet, else in
+        DFRAG pieces), anything else on the reliable channel."""
         n = len(head) + len(data)
-        if ftype == DATAGRAM and FRAME.size + n + DGRAM.size + ACK.size <= self.plain_room:
+        if ftype == DATAGRAM and FRAME.size + n <= DFRAG_MAX:
             frame = b"".join((FRAME.pack(ftype, flags, hop, n, src, dst), head, data))
-            self._dgrams.append(frame)
+            if FRAME.size + n + DGRAM.size + ACK.size <= self.plain_room:
+                self._dgrams.append(frame)
+            else:
+                self._dgram_id = (self._dgram_id + 1) & MASK
+                self._dgrams.append([self._dgram_id, memoryview(frame), 0])
+                self.fragmented_out += 1
             self._dgram_bytes += len(frame)
             return
         if len(self._tx) + FRAME.size + n > self.queue_limit:
@@ -598,7 +744,7 @@ class UdpSession:
                 seg = tx[:n]
                 del tx[:n]  # from the front of a bytearray: no memmove
                 unacked[snd_nxt] = [seg, now, 1]
-                parts: list[bytes | bytearray] = [ack, pack_seg(CH_SEG, snd_nxt & MASK, n), seg]
+                parts: list[bytes | bytearray | memoryview] = [ack, pack_seg(CH_SEG, snd_nxt & MASK, n), seg]
                 snd_nxt += 1
                 inflight += n
                 if dgrams:
@@ -618,18 +764,39 @@ class UdpSession:
         self.packets_out += len(out)
         return out
 
-    def _packet(self, prefix: bytes, parts: list[bytes | bytearray]) -> bytes:
+    def _packet(self, prefix: bytes, parts: list[bytes | bytearray | memoryview]) -> bytes:
         """Seal one data packet: `parts` (ACK, maybe a segment) plus the queued datagrams
-        that fit the room left, plus CLOSE if the link is closing."""
+        that fit the room left (whole, or the next piece of a big one), plus CLOSE if the
+        link is closing."""
         used = sum(map(len, parts))
         room = self.plain_room
         dgrams = self._dgrams
-        while dgrams and used + DGRAM.size + len(dgrams[0]) <= room:
-            d = dgrams.popleft()
-            self._dgram_bytes -= len(d)
-            parts.append(DGRAM.pack(CH_DGRAM, len(d)))
-            parts.append(d)
-            used += DGRAM.size + len(d)
+        while dgrams:
+            d = dgrams[0]
+            if isinstance(d, bytes):
+                if used + DGRAM.size + len(d) > room:
+                    break
+                dgrams.popleft()
+                self._dgram_bytes -= len(d)
+                parts.append(DGRAM.pack(CH_DGRAM, len(d)))
+                parts.append(d)
+                used += DGRAM.size + len(d)
+                continue
+            left = room - used - DFRAG.size
+            if left < FRAG_MIN:
+                break
+            fid, frame, off = d
+            total = len(frame)
+            n = total - off
+            if n > left:
+                n = left
+                d[2] = off + n
+            else:
+                dgrams.popleft()
+            self._dgram_bytes -= n
+            parts.append(DFRAG.pack(CH_DFRAG, fid, total, off, n))
+            parts.append(frame[off : off + n])
+            used += DFRAG.size + n
         if self._close and used < room:
             parts.append(bytes((CH_CLOSE,)))
             self._close = False

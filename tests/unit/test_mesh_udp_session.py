@@ -1,7 +1,9 @@
 """The udp:// link session (sans-I/O) over a simulated channel: seeded loss, reordering and
 duplication on a virtual clock. Handshake under loss, reliable frames exactly once and in
-order, datagrams never twice, the window bound, the retransmission budget, bad packets
-counted and dropped, and a hypothesis fuzz of the packet decoder."""
+order, datagrams never twice, big datagrams in pieces (whole or not at all, packed densely,
+a bounded reassembly table, bad pieces counted), the window bound, the retransmission
+budget, bad packets counted and dropped, and hypothesis fuzzes of the packet and fragment
+decoders."""
 
 from __future__ import annotations
 
@@ -15,8 +17,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshgate.mesh.frames import DATAGRAM, MAX_BODY, PING, STREAM_DATA, LinkError
+from meshgate.mesh.frames import DATAGRAM, FRAME, MAX_BODY, PING, STREAM_DATA, LinkError
 from meshgate.mesh.udp_session import (
+    ACK,
+    CH_ACK,
+    CH_DFRAG,
+    DATA,
+    DATA_OVERHEAD,
+    DFRAG,
+    DFRAG_MAX,
     INIT_MIN,
     KIND_DATA,
     KIND_INIT,
@@ -36,22 +45,23 @@ class Wire:
 
     def __init__(
         self, seed: int, loss: float = 0.0, dup: float = 0.0, jitter: float = 0.0, delay: float = 0.005,
-        window: int = 256 << 10, payload: int = 1472, max_retransmits: int = 8,
+        window: int = 256 << 10, payload: int = 1472, max_retransmits: int = 8, **reassembly: float,
     ) -> None:
         self.rng = random.Random(seed)
         self.loss, self.dup, self.jitter, self.delay = loss, dup, jitter, delay
         self.now = 0.0
         self.got: dict[str, list[Frame]] = {"a": [], "b": []}
         self.a = UdpSession(True, "net", PSK, self._frame("b"), 0x1111, payload=payload, window=window,
-                            max_retransmits=max_retransmits)
+                            max_retransmits=max_retransmits, **reassembly)  # type: ignore[arg-type]
         self.b = UdpSession(False, "net", PSK, self._frame("a"), 0x2222, payload=payload, window=window,
-                            max_retransmits=max_retransmits)
+                            max_retransmits=max_retransmits, **reassembly)  # type: ignore[arg-type]
         self._q: list[tuple[float, int, str, bytes]] = []
         self._n = 0
         self.max_inflight = 0
         self.cut = False  # drop everything (a vanished peer)
         self.sent_packets = 0
         self._spacing = 0.0
+        self.max_held = (0, 0)  # the most b's reassembly table held (entries, bytes)
 
     def _frame(self, sender: str):  # type: ignore[no-untyped-def]
         other = "a" if sender == "b" else "b"
@@ -95,6 +105,8 @@ class Wire:
             while self._q and self._q[0][0] <= self.now:
                 _, _, dst, packet = heapq.heappop(self._q)
                 (self.a if dst == "a" else self.b).receive(packet, self.now)
+                held = self.b.reassembly_held()
+                self.max_held = (max(self.max_held[0], held[0]), max(self.max_held[1], held[1]))
             for s in (self.a, self.b):
                 d = s.deadline()
                 if d is not None and d <= self.now:
@@ -187,14 +199,167 @@ def test_datagrams_unreliable_never_duplicated_and_never_before_the_first_frame(
     assert w.sent_packets - before <= 2
 
 
-def test_big_datagram_travels_on_the_reliable_channel() -> None:
-    w = Wire(3, loss=0.2)
-    w.establish()
+def _hello(w: Wire) -> None:
+    """The first reliable frame: b accepts datagrams from then on."""
     w.a.send_frame(PING, 0, 1, 1, 2, b"first")
-    big = os.urandom(9000)
-    w.a.send_frame(DATAGRAM, 0, 8, 1, 2, b"\x00\x03", big)
-    w.run(w.now + 30, lambda: len(w.got["b"]) == 2)
-    assert w.got["b"][1] == (DATAGRAM, 0, 8, 1, 2, b"\x00\x03" + big)
+    w.run(w.now + 30, lambda: len(w.got["b"]) == 1)
+    assert len(w.got["b"]) == 1
+
+
+def _big(i: int, size: int) -> bytes:
+    return struct.pack("!I", i) + os.urandom(size - 4)
+
+
+@pytest.mark.parametrize(("seed", "loss"), [(1, 0.0), (2, 0.02), (3, 0.1)])
+def test_big_datagrams_arrive_whole_or_not_at_all_never_twice(seed: int, loss: float) -> None:
+    # reordering (jitter) within the 64-record replay window; duplicates are the window's to drop
+    jitter, dup = (0.0003, 0.05) if loss else (0.0, 0.0)
+    w = Wire(seed, loss=loss, dup=dup, jitter=jitter, reassembly=16, reassembly_bytes=512 << 10)
+    w.establish()
+    _hello(w)
+    reliable = w.a.snd_nxt
+    rng = random.Random(seed)
+    sent = {}
+    for i in range(300):
+        d = _big(i, rng.choice((1400, 1500, 3000, 9000, 32768, DFRAG_MAX - FRAME.size - 2)))
+        sent[d[:4]] = d
+        w.a.send_frame(DATAGRAM, 0, 8, 1, 2, b"\x00\x03", d)
+        if i % 10 == 9:
+            w.run(w.now + 0.002)
+    w.run(w.now + 2)
+    got = [f[5][2:] for f in w.got["b"][1:]]
+    assert all(f[0] == DATAGRAM for f in w.got["b"][1:])
+    assert len({g[:4] for g in got}) == len(got)  # never twice
+    assert all(sent[g[:4]] == g for g in got)  # whole or not at all
+    lost = w.b.frag_timeout + w.b.frag_evicted
+    if loss == 0.0:
+        assert len(got) == len(sent) and lost == 0
+    else:
+        assert 0.3 * len(sent) < len(got) < len(sent) and lost > 0
+        assert len(got) + lost <= len(sent)
+    assert w.a.snd_nxt == reliable and not w.a._unacked  # nothing went on the reliable channel
+    assert w.a.fragmented_out == sum(1 for d in sent.values() if len(d) > 1400)
+    assert w.max_held[0] <= 16 and w.max_held[1] <= 512 << 10
+    assert w.b.frag_malformed == 0
+
+
+def test_fragments_fill_packets_so_gso_runs_stay_whole() -> None:
+    w = Wire(11)
+    w.establish()
+    _hello(w)
+    data = [_big(i, 30_000) for i in range(10)]
+    for d in data:
+        w.a.send_frame(DATAGRAM, 0, 8, 1, 2, b"\x00\x03", d)
+    packets = w.a.packets_to_send(w.now)
+    sizes = [len(p) for p in packets]
+    assert all(n == 1472 for n in sizes[:-1]) and sizes[-1] <= 1472  # one equal-size run
+    frame_bytes = sum(FRAME.size + 2 + len(d) for d in data)
+    # dense: a packet holds at most two pieces (the end of one datagram, the start of the next)
+    assert len(packets) <= -(-frame_bytes // (1472 - DATA_OVERHEAD - ACK.size - 2 * DFRAG.size))
+    for p in packets:
+        w.b.receive(p, w.now)
+    assert [f[5][2:] for f in w.got["b"][1:]] == data and w.b.reassembled == 10
+    assert w.b.reassembly_held() == (0, 0)
+
+
+def _sealed(w: Wire, plain: bytes) -> bytes:
+    """A data packet from a to b with this plaintext (authentic: a's key seals it)."""
+    assert w.a.send is not None
+    header, ct = w.a.send.seal(plain)
+    return DATA.pack(KIND_DATA, w.b.local_id) + header + ct
+
+
+def _frag(fid: int, total: int, off: int, piece: bytes) -> bytes:
+    return ACK.pack(CH_ACK, 0, 0) + DFRAG.pack(CH_DFRAG, fid, total, off, len(piece)) + piece
+
+
+def _frame(body: bytes, ftype: int = DATAGRAM) -> bytes:
+    return FRAME.pack(ftype, 0, 8, len(body), 1, 2) + body
+
+
+def test_bad_fragments_are_dropped_and_counted_never_delivered() -> None:
+    w = Wire(12, reassembly=4, reassembly_bytes=50_000, reassembly_timeout=0.5)
+    w.establish()
+    _hello(w)
+    b = w.b
+    good = _frame(os.urandom(3000))
+    t = len(good)
+
+    def feed(*chunks: bytes) -> None:
+        for c in chunks:
+            assert b.receive(_sealed(w, c), w.now) is True
+
+    bad = [
+        _frag(1, t, t - 100, good[:200]),  # beyond the total
+        _frag(2, 10, 0, good[:10]),  # shorter than a frame header
+        _frag(3, t, 0, good[:20]),  # a non-final piece below FRAG_MIN
+        _frag(4, 60_000, 0, good[:1000]),  # a datagram bigger than the table's bytes
+    ]
+    feed(*bad)
+    assert b.frag_malformed == 4
+    # overlapping pieces (in and out of order), a repeated offset and a changed total end the datagram
+    for first, second in (
+        (_frag(5, t, 0, good[:1000]), _frag(5, t, 500, good[500:1500])),
+        (_frag(5, t, 1000, good[1000:2000]), _frag(5, t, 0, good[:1500])),
+        (_frag(5, t, 0, good[:1000]), _frag(5, t, 0, good[:1000])),
+        (_frag(5, t, 0, good[:1000]), _frag(5, t + 1, 1000, good[1000:2000])),
+    ):
+        feed(first)
+        assert b.reassembly_held()[0] == 1
+        feed(second)
+        assert b.reassembly_held() == (0, 0)
+    assert b.frag_malformed == 8
+    # a whole, well-cut frame that is not a DATAGRAM is not delivered either
+    stream = _frame(os.urandom(3000), STREAM_DATA)
+    feed(_frag(7, len(stream), 0, stream[:1500]), _frag(7, len(stream), 1500, stream[1500:]))
+    assert b.frag_malformed == 9 and b.reassembled == 0
+    assert len(w.got["b"]) == 1  # only the HELLO stand-in
+    # too many at once: the oldest are evicted, the table stays at its bound
+    for fid in range(100, 110):
+        feed(_frag(fid, t, 0, good[:1000]))
+    assert b.reassembly_held()[0] == 4 and b.frag_evicted == 6
+    # the byte bound: 3 x 20 KB pieces over 50 KB evicts the oldest
+    big = _frame(os.urandom(40_000))
+    for fid in range(200, 203):
+        feed(_frag(fid, len(big), 0, big[:20_000]))
+    assert b.reassembly_held()[1] <= 50_000 and b.frag_evicted >= 6 + 1
+    # incomplete ones expire; a good one still goes through afterwards
+    w.now += 1.0
+    held = b.reassembly_held()[0]
+    feed(_frag(300, t, 1500, good[1500:]), _frag(300, t, 0, good[:1500]))  # out of order
+    assert b.frag_timeout == held and b.reassembly_held() == (0, 0)
+    assert w.got["b"][-1][5] == good[FRAME.size:] and b.reassembled == 1
+    assert b.malformed == 0 and b.frag_malformed == 9
+
+
+def test_fragments_before_the_first_frame_are_dropped() -> None:
+    w = Wire(13)
+    w.establish()
+    w.a.send_frame(DATAGRAM, 0, 8, 1, 2, b"\x00\x03", os.urandom(5000))
+    w.run(w.now + 0.1)
+    assert w.got["b"] == [] and w.b.unexpected >= 4 and w.b.reassembly_held() == (0, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5000), st.integers(0, 5000),
+                          st.integers(0, 1500)), max_size=40),
+       st.binary(min_size=16, max_size=16))
+def test_fuzz_fragment_decoder_is_bounded_and_delivers_only_whole_frames(
+    pieces: list[tuple[int, int, int, int]], header: bytes
+) -> None:
+    w = Wire(14, reassembly=3, reassembly_bytes=20_000)
+    w.establish()
+    _hello(w)
+    body = header + bytes(5000)
+    for fid, total, off, n in pieces:
+        piece = body[off : off + n]
+        assert w.b.receive(_sealed(w, _frag(fid, total, off, piece)), w.now) is True
+        entries, held = w.b.reassembly_held()
+        assert entries <= 3 and held <= 20_000
+        w.now += 0.01
+    for f in w.got["b"][1:]:
+        assert f[0] == DATAGRAM
+    assert w.b.malformed == 0
 
 
 def test_window_bounds_what_is_in_flight_and_buffered_reports_the_rest() -> None:
