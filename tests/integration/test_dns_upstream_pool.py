@@ -116,6 +116,10 @@ def counter(name: str, url: str) -> float:
     return REGISTRY.value(name, url)
 
 
+def errors(url: str, reason: str) -> float:
+    return REGISTRY.value("meshgate_dns_upstream_errors_total", url, reason)
+
+
 # --------------------------------------------------------------------------- sans-I/O core
 
 
@@ -281,13 +285,15 @@ async def test_dead_and_silent_upstreams_fail_over_within_the_timeout(auth: Loca
     urls = [f"tcp://127.0.0.1:{dead_port}", f"tcp://127.0.0.1:{silent.port}", f"tcp://127.0.0.1:{good.port}"]
     ups = [parse_upstream(u, limits=cfg.limits) for u in urls]
     p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=ups)
-    loop = asyncio.get_running_loop()
     try:
         retired0 = counter("meshgate_dns_upstream_retired_total", urls[1])
-        t0 = loop.time()
+        before = {(u, why): errors(u, why) for u in urls for why in ("timeout", "error")}
         r = await ask(p, "www.example.test")
         assert r.answer[0][0].address == "192.0.2.1"
-        assert loop.time() - t0 < 0.3 * 2 + 0.5  # refused: no wait; silent: one timeout
+        # refused: failed at once, no wait; silent: one timeout; good: no error (counted, not clocked)
+        assert {k: errors(*k) - v for k, v in before.items()} == {
+            (urls[0], "timeout"): 0, (urls[0], "error"): 1, (urls[1], "timeout"): 1, (urls[1], "error"): 0,
+            (urls[2], "timeout"): 0, (urls[2], "error"): 0}
         assert p.upstreams[p._preferred].url == urls[2]
         # The silent connection answered nothing before the deadline: out of rotation and closed.
         assert counter("meshgate_dns_upstream_retired_total", urls[1]) == retired0 + 1
@@ -435,12 +441,14 @@ async def test_dead_https_and_quic_upstreams_fail_over_within_the_timeout(auth: 
             f"tcp://127.0.0.1:{good.port}"]
     p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None),
                  upstreams=[parse_upstream(u, verify=False, limits=cfg.limits) for u in urls])
-    loop = asyncio.get_running_loop()
     try:
-        t0 = loop.time()
+        before = {(u, why): errors(u, why) for u in urls for why in ("timeout", "error")}
         r = await ask(p, "www.example.test")
         assert r.answer[0][0].address == "192.0.2.1"
-        assert loop.time() - t0 < 0.3 * 2 + 0.5  # DoQ: one timeout (no handshake); DoH: refused at once
+        # DoQ: one timeout (no handshake); DoH: refused at once, no wait (counted, not clocked)
+        assert {k: errors(*k) - v for k, v in before.items()} == {
+            (urls[0], "timeout"): 1, (urls[0], "error"): 0, (urls[1], "timeout"): 0, (urls[1], "error"): 1,
+            (urls[2], "timeout"): 0, (urls[2], "error"): 0}
         assert p.upstreams[p._preferred].url == urls[2]
     finally:
         p.close()

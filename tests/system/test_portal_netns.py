@@ -66,17 +66,48 @@ def topo() -> Iterator[Topology]:
         node_toml("c", workdir, C_VIP, C_MESH_EXIT, C_EXTRA)
         for role in ("b", "c"):
             t.start_node(role)
+        # the servers are separate processes: a test must not race their start-up
+        for role, host in (("a", "127.0.0.1"), ("c", "127.0.0.1"), ("lan", "10.1.2.10"),
+                           ("inet", "198.51.100.10")):
+            wait_listening(t, role, f"{host}:{PORT}")
+        wait_listening(t, "lan", "10.1.2.10:5353", udp=True)
         yield t
     finally:
         t.destroy()
 
 
-def start_a(t: Topology, exit_nodes: str, needs: str = "") -> None:
+def wait_listening(t: Topology, role: str, addr: str, udp: bool = False, timeout: float = 30) -> None:
+    """Until a socket in `role`'s namespace listens on `addr` (ss filters by local address:port)."""
+
+    def listening() -> bool:
+        r = t.nsexec(role, "ss", "-Hnul" if udp else "-Hntl", "src", addr)
+        return bool(r.stdout.strip())
+
+    wait_until(listening, timeout, f"{role} listening on {addr}")
+
+
+# Text only C's usual record (C_MESH_EXIT) shows in /routes: its mapped proxy CIDR. A route to C's
+# address alone can come from B's copy of a record C had before its last restart.
+C_USUAL = '"10.2.2.0/24"'
+
+
+def start_c(t: Topology, mesh: str) -> None:
+    """(Re)start C with `mesh` and wait until its portal listens and B holds C's record of this
+    config (B keeps C's previous record until the new one arrives)."""
+    t.stop("c")
+    node_toml("c", t.workdir, C_VIP, mesh, C_EXTRA)
+    t.start_node("c")
+    wait_listening(t, "c", "127.0.0.1:1080")
+    wait_route(t, "b", C_VIP, needs=C_USUAL if mesh == C_MESH_EXIT else '"0.0.0.0/0"')
+
+
+def start_a(t: Topology, exit_nodes: str, needs: str = C_USUAL) -> None:
     t.stop("a")
     mesh = f'peers = ["tcp://172.31.1.2:11010"]\nexit_nodes = {exit_nodes}\ndirect_fallback = false'
     node_toml("a", t.workdir, "10.144.7.1", mesh, PORTAL)
     t.start_node("a")
     wait_route(t, "a", C_VIP, needs=needs)
+    wait_listening(t, "a", "127.0.0.1:1080")
 
 
 def wait_route(t: Topology, role: str, vip: str, timeout: float = 30, needs: str = "") -> None:
@@ -148,20 +179,15 @@ def test_exit_node_is_self_on_cs_own_portal(topo: Topology) -> None:
 
 
 def test_catch_all_proxy_cidr_acts_as_exit(topo: Topology) -> None:
-    topo.stop("c")
-    node_toml("c", topo.workdir, C_VIP,
-              'peers = ["tcp://172.31.2.2:11010"]\nproxy_cidrs = ["10.1.2.0/24", "0.0.0.0/0"]', C_EXTRA)
-    topo.start_node("c")
+    start_c(topo, 'peers = ["tcp://172.31.2.2:11010"]\nproxy_cidrs = ["10.1.2.0/24", "0.0.0.0/0"]')
     start_a(topo, "[]", needs='"0.0.0.0/0"')  # C's new record, not the one B still held
     try:
         r = curl(topo, "http://198.51.100.10:8080/")
         assert ">inet|198.51.100.1<" in r.stdout, r.stderr + topo.log("c")
         # still an exit under the exit policy, not an owner of everything
         assert curl(topo, "http://172.31.2.2:8080/").returncode == 97
-    finally:
-        topo.stop("c")
-        node_toml("c", topo.workdir, C_VIP, C_MESH_EXIT, C_EXTRA)
-        topo.start_node("c")
+    finally:  # the later tests expect C's usual record, and C's own portal up
+        start_c(topo, C_MESH_EXIT)
 
 
 def test_chromium_in_as_namespace(a_auto: Topology) -> None:
