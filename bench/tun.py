@@ -1,6 +1,7 @@
 """TUN data path throughput: iperf3 between network namespaces through the mesh (root only).
 
     sudo .venv/bin/python bench/tun.py [--rounds 3] [--seconds 5] [--only NAMES] [--json FILE]
+                                       [--ab REF]
 
 Topology (tests/system/tun_topology.py): A — B — C, every node with a TUN device;
 "1 hop" is A -> B's virtual IP, "2 hops" is A -> C's virtual IP relayed by B.
@@ -17,6 +18,10 @@ Variants, each in its own set of namespaces, alternating per round (bench/common
                   addresses; its STUN lists point at loopback (the namespaces have no
                   way out anyway). Skipped if the package is missing. `easytier-udp`:
                   the same over its UDP links.
+
+A/B of a change: `--ab REF` adds `meshgate-udp@REF` (and `meshgate@REF`), meshgate as of
+git REF on the same links, alternating with the checkout in every round; the ratio
+columns are then against `meshgate-udp@REF` (paired per round).
 
 Metrics: TCP MB/s (iperf3 receiver), UDP packets/s received (1200-byte datagrams,
 unlimited rate, loss reported), and CPU seconds per GiB moved for each node's
@@ -39,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Metrics, Runner, add_args, proc_cpu_seconds, report, selected
+from bench.common import Metrics, Runner, add_args, git_tree, proc_cpu_seconds, report, selected
 from tests.system.tun_topology import Topology
 
 GIB = 1 << 30
@@ -113,6 +118,7 @@ class Setup:
     easytier: bool = False
     links: str = "tcp"
     extra: str = ""  # appended to every node's config
+    tree: Path | None = None  # run meshgate from this extracted git REF (--ab), not the checkout
     topo: Topology | None = None
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -136,7 +142,15 @@ class Setup:
             for role, text in node_conf(self.links, self.extra).items():
                 t.config(role, text)
             for role in ("c", "b", "a"):
-                self.pids[role] = t.start_node(role).pid
+                if self.tree is None:
+                    self.pids[role] = t.start_node(role).pid
+                    continue
+                # the REF's package first on sys.path (the topology puts the checkout on PYTHONPATH)
+                boot = (f"import sys, runpy; sys.path.insert(0, {str(self.tree)!r}); "
+                        "runpy.run_module('meshgate', run_name='__main__', alter_sys=True)")
+                argv = [sys.executable, "-c", boot, "run", "-c", str(t.workdir / f"{role}.toml"),
+                        "--loop", self.loop]
+                self.pids[role] = t.spawn(role, role, argv).pid
         t.wait_ping("a", MESH_DST["c"], timeout=30)
 
     def down(self) -> None:
@@ -191,6 +205,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(ap)
     ap.add_argument("--seconds", type=float, default=5.0, help="iperf3 duration per measurement")
+    ap.add_argument("--ab", metavar="REF", help="also run meshgate as of git REF (rows NAME@REF)")
     ap.add_argument("--easytier-node", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.easytier_node:
@@ -201,12 +216,16 @@ def main() -> int:
                   Setup("meshgate-udp-nogso", mesh=True, links="udp", extra=NOGSO),
                   Setup("easytier", mesh=True, easytier=True),
                   Setup("easytier-udp", mesh=True, easytier=True, links="udp")]
+    workdir = Path(tempfile.mkdtemp(prefix="meshgate-bench-tun-"))
+    if args.ab:
+        tree = git_tree(args.ab, str(workdir))
+        candidates += [Setup(f"meshgate@{args.ab}", mesh=True, tree=tree),
+                       Setup(f"meshgate-udp@{args.ab}", mesh=True, links="udp", tree=tree)]
     if importlib.util.find_spec("easytier_pyo3") is None:
         print("  easytier: easytier-pyo3 is not installed (pip install easytier-pyo3); skipped",
               file=sys.stderr)
         candidates = [s for s in candidates if not s.easytier]
     setups = [s for s in candidates if selected(args, s.name)]
-    workdir = Path(tempfile.mkdtemp(prefix="meshgate-bench-tun-"))
     runners: list[Runner] = []
     try:
         live: list[Setup] = []
@@ -222,6 +241,8 @@ def main() -> int:
             names = [s.name for s in live]
             # the issue's target is relative to EasyTier's TUN mode: ratios against it when it runs
             baseline = "easytier" if "easytier" in names else "kernel" if "kernel" in names else None
+            if args.ab and f"meshgate-udp@{args.ab}" in names:
+                baseline = f"meshgate-udp@{args.ab}"
             r = Runner(title, rounds=args.rounds, baseline=baseline)
             for s in live:
                 r.add(s.name, functools.partial(s.iperf, dst, udp, args.seconds))

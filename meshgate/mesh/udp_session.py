@@ -87,6 +87,7 @@ CH_DFRAG = 0x05
 DFRAG = struct.Struct("!BIHHH")  # type, datagram id, total frame bytes, offset, piece length
 DFRAG_MAX = 0xFFFF  # a bigger frame (65536 bytes: a full-size body) takes the reliable channel
 FRAG_MIN = 64  # smallest piece but a datagram's last: leftover room below this starts a new packet
+INF = float("inf")
 PIECE_COST = 128  # bytes a held piece is charged beyond its length (objects, dict slot)
 SACK_BITS = 64
 MASK = 0xFFFFFFFF
@@ -227,6 +228,7 @@ class UdpSession:
         # reassembly of fragmented datagrams: id -> _Reassembly, oldest first (insertion order)
         self._frags: dict[int, _Reassembly] = {}
         self._frag_bytes = 0  # bytes held (pieces plus PIECE_COST each)
+        self._expire_at = INF  # no earlier than this is an entry due to expire (may be early, never late)
         self.reassembly = max(1, reassembly)
         self.reassembly_bytes = reassembly_bytes
         self.reassembly_timeout = reassembly_timeout
@@ -441,14 +443,8 @@ class UdpSession:
     def _on_fragment(self, fid: int, total: int, off: int, piece: bytes | memoryview, now: float) -> None:
         """One DFRAG piece: held until its datagram is whole, which then goes to on_frame."""
         frags = self._frags
-        # expire from the oldest: entries are in creation order
-        limit = now - self.reassembly_timeout
-        while frags:
-            first = next(iter(frags))
-            if frags[first].created > limit:
-                break
-            self._drop_entry(first)
-            self.frag_timeout += 1
+        if now >= self._expire_at:
+            self._expire(now)
         n = len(piece)
         entry = frags.get(fid)
         if (
@@ -470,6 +466,8 @@ class UdpSession:
                 self._drop_entry(next(iter(frags)))
                 self.frag_evicted += 1
             entry = frags[fid] = _Reassembly(total, now)
+            if self._expire_at == INF:
+                self._expire_at = now + self.reassembly_timeout
         cost = n + PIECE_COST
         while self._frag_bytes + cost > self.reassembly_bytes:
             oldest = next(iter(frags))
@@ -494,6 +492,21 @@ class UdpSession:
             self._deliver_datagram(b"".join(pieces.values()))
         else:
             self._deliver_datagram(b"".join(p for _, p in sorted(pieces.items())))
+
+    def _expire(self, now: float) -> None:
+        """Drop the datagrams whose first piece came `reassembly_timeout` ago (the oldest first:
+        entries are in creation order); note when the next one is due."""
+        frags = self._frags
+        limit = now - self.reassembly_timeout
+        while frags:
+            first = next(iter(frags))
+            created = frags[first].created
+            if created > limit:
+                self._expire_at = created + self.reassembly_timeout
+                return
+            self._drop_entry(first)
+            self.frag_timeout += 1
+        self._expire_at = INF
 
     def _drop_entry(self, fid: int) -> None:
         entry = self._frags.pop(fid)
@@ -756,8 +769,25 @@ class UdpSession:
             self.snd_nxt = snd_nxt
             if not unacked:
                 self._rto_at = None
-        while dgrams:
-            out.append(self._packet(prefix, [ack]))
+        if dgrams:
+            # the bulk path of big datagrams: every full packet of the head datagram's pieces
+            # straight from its frame, locals only; its tail and the rest go through _packet
+            room = self.plain_room - ACK.size - DFRAG.size
+            pack_frag = DFRAG.pack
+            while dgrams:
+                d = dgrams[0]
+                if not isinstance(d, bytes) and len(d[1]) - d[2] > room:
+                    fid, frame, off = d
+                    total = len(frame)
+                    start = off
+                    while total - off > room:
+                        header, ct = seal(join((ack, pack_frag(CH_DFRAG, fid, total, off, room),
+                                                frame[off : off + room])))
+                        out.append(join((prefix, header, ct)))
+                        off += room
+                    d[2] = off
+                    self._dgram_bytes -= off - start
+                out.append(self._packet(prefix, [ack]))
         if self._close or (len(out) == n_before and self._ack_owed):
             out.append(self._packet(prefix, [ack]))  # a pure ACK (or the CLOSE)
         self._ack_owed = False
