@@ -19,6 +19,12 @@ gets a session only for a well-formed msg1, one pending handshake per source
 address, within `limits.max_peers + limits.max_pending_handshakes` sessions.
 An initiator gets its own connected socket (`connect`).
 
+Roaming (WireGuard-style): a data packet for an established session from another
+address is opened like any other; if it authenticates and is the newest record seen
+(not a replay, not a straggler from the old path), the session's send address moves
+to where it came from (a NAT rebinding, a peer that changed networks). Anything else
+from another address changes nothing and is counted as `unknown_peer`.
+
 Sockets carry the node's fwmark (tun_routes.mark_socket) like TCP links, so an
 exit's default route through the node's own TUN device does not swallow them.
 """
@@ -41,7 +47,7 @@ from meshgate.config import LimitsConfig, LinkUrl
 from meshgate.logs import RateLimitedLog
 from meshgate.mesh.frames import HELLO, LinkError, encode_hello
 from meshgate.mesh.links import LinkBase, LinkOwner
-from meshgate.mesh.udp_session import KIND_INIT, UdpSession, is_init, payload_size, receiver_id
+from meshgate.mesh.udp_session import KIND_DATA, KIND_INIT, UdpSession, is_init, payload_size, receiver_id
 from meshgate.metrics import REGISTRY, LocalCounter
 
 log = logging.getLogger("meshgate.mesh.udp")
@@ -73,10 +79,17 @@ _retransmits = REGISTRY.counter(
 _dropped = REGISTRY.counter(
     "meshgate_mesh_udp_link_dropped_total", "Packets dropped on udp:// links", ("reason",)
 )
+_roamed = REGISTRY.counter(
+    "meshgate_mesh_udp_link_roamed_total", "udp:// sessions whose peer moved to a new address"
+)
 _fragmented = REGISTRY.counter(
     "meshgate_mesh_udp_link_fragmented_total",
     "Datagrams too big for one packet: sent in pieces (out), put together again (in)", ("direction",),
 )
+
+
+def _fmt_addr(addr: Any) -> str:
+    return f"[{addr[0]}]:{addr[1]}" if ":" in str(addr[0]) else f"{addr[0]}:{addr[1]}"
 
 
 def _sock_buffers(sock: socket.socket) -> None:
@@ -321,6 +334,8 @@ class UdpLink(LinkBase):
         self.src: Cmsg | None = None  # our source address for this peer (wildcard listeners)
         self.on_gone = on_gone
         self.on_up: Callable[[UdpLink], None] | None = None  # the handshake completed
+        self.on_roam: Callable[[UdpLink, Any], None] | None = None  # the peer moved (old address)
+        self.roams = 0
         # queued reliable bytes above which the link says write_paused, as a TCP transport past
         # its high-water mark does, so the owner prefers another link to the same peer
         self.high_water = limits.mesh_link_buffer
@@ -372,6 +387,40 @@ class UdpLink(LinkBase):
             return
         if not self._flush_scheduled and self.session.wants_flush():
             # after the rest of this read batch: one ACK for all of it
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def moved_packet(self, packet: memoryview, addr: Any, src: Cmsg | None) -> bool:
+        """A data packet for this session from another address (listeners only): opened like
+        any other; if authentic and the newest record so far, the peer moved there. False:
+        it changed nothing (forged, replayed, a straggler from the old path)."""
+        if self._gone or not self.session.established:
+            return False
+        now = self.loop.time()
+        try:
+            authentic = self.session.receive(packet, now)
+        except LinkError as e:
+            self.fail(e.reason, str(e))
+            return True
+        if not authentic:
+            return False
+        self.bytes_in += len(packet)
+        self.last_rx = now
+        if self.session.newest(packet):
+            old = self.addr
+            self.addr = addr
+            self.src = src
+            self.url = str(LinkUrl("udp", addr[0], addr[1]))
+            self.roams += 1
+            _roamed.inc()
+            log.info("udp link: peer moved from %s to %s", _fmt_addr(old), _fmt_addr(addr))
+            if self.on_roam is not None:
+                self.on_roam(self, old)
+        self._flush_soon()
+        return True
+
+    def _flush_soon(self) -> None:
+        if not self._flush_scheduled and self.session.wants_flush():
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
 
@@ -518,11 +567,13 @@ class UdpListener:
             return
         rid = receiver_id(packet)
         link = self.by_id.get(rid) if rid is not None else None
-        if link is None or link.addr != addr:
-            _dropped.labels("unknown_peer").inc()
-            _rlog.debug(f"unknown:{addr}", "udp link: packet from %s for no session of ours", addr)
+        if link is not None and link.addr == addr:
+            link.datagram_received(packet)
             return
-        link.datagram_received(packet)
+        if link is not None and packet[0] == KIND_DATA and link.moved_packet(packet, addr, src):
+            return
+        _dropped.labels("unknown_peer").inc()
+        _rlog.debug(f"unknown:{addr}", "udp link: packet from %s for no session of ours", addr)
 
     def _on_init(self, packet: memoryview, addr: Any, src: Cmsg | None) -> None:
         if not is_init(packet):
@@ -547,12 +598,23 @@ class UdpListener:
             link.session.local_id = int.from_bytes(os.urandom(4), "big") or 1
         link.on_gone = self._gone
         link.on_up = self._up
-        if src is not None and not (link.sock.family == socket.AF_INET6 and addr[0].startswith("::ffff:")):
-            link.src = src  # (a v4-mapped peer on a dual-stack socket: the kernel's choice)
+        link.on_roam = self._roamed
+        link.src = self._src_for(link, addr, src)
         self.by_id[link.local_id] = link
         self.by_addr[addr] = link
         link.begin()
         link.datagram_received(packet)
+
+    def _src_for(self, link: UdpLink, addr: Any, src: Cmsg | None) -> Cmsg | None:
+        if src is not None and not (link.sock.family == socket.AF_INET6 and addr[0].startswith("::ffff:")):
+            return src
+        return None  # (a v4-mapped peer on a dual-stack socket: the kernel's choice)
+
+    def _roamed(self, link: UdpLink, old: Any) -> None:
+        link.src = self._src_for(link, link.addr, link.src)
+        if self.by_addr.get(old) is link:
+            del self.by_addr[old]
+        self.by_addr[link.addr] = link
 
     def _up(self, link: UdpLink) -> None:
         """A new session from an address ends the older ones from it: one socket holds one

@@ -385,6 +385,15 @@ class UdpSession:
         self._chunks(plain, now)
         return True
 
+    def newest(self, packet: bytes | bytearray | memoryview) -> bool:
+        """Whether this data packet, just accepted by `receive`, is the newest record seen (the
+        roaming test: a replay or a straggler from the peer's old address is not)."""
+        recv = self.recv
+        if recv is None or len(packet) < DATA_OVERHEAD or packet[0] != KIND_DATA:
+            return False
+        _, epoch, counter = RECORD.unpack_from(packet, DATA.size)
+        return bool(epoch == recv.epoch and recv.window.highest == counter)
+
     def _chunks(self, plain: bytes, now: float) -> None:
         pos, end = 0, len(plain)
         view = memoryview(plain)

@@ -10,6 +10,7 @@ import hashlib
 import ipaddress
 import os
 import socket
+from typing import Any
 
 import pytest
 
@@ -254,4 +255,87 @@ async def test_new_session_from_the_same_address_replaces_the_old_one() -> None:
         )
         assert b.stats["link_dead"] == 0
     finally:
+        await stop_all([a, b])
+
+
+def _rebind(link: UdpLink, loop: asyncio.AbstractEventLoop) -> tuple[str, int]:
+    """The initiator's NAT mapping changes: its packets leave from a new port from now on
+    (a new connected socket under the same session). Returns the new source address."""
+    old = link.sock
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    sock.bind(("127.0.0.1", 0))
+    sock.connect(link.addr)
+    new = link_udp.UdpSocket(loop, sock, lambda p, _a, _s: link.datagram_received(p),
+                             link.owner.config.limits, connected=True)  # type: ignore[attr-defined]
+    link.sock = new
+    link.on_gone = lambda _l: new.close()
+    old.close()
+    addr: tuple[str, int] = sock.getsockname()
+    return addr
+
+
+async def test_roaming_peer_keeps_its_session_and_forgeries_move_nothing() -> None:
+    limits = {"mesh_ping_interval": 0.2, "mesh_dead_after": 2.0}
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits), B)
+    url = b.listen_addrs[0]
+    host, port = url.removeprefix("udp://").rsplit(":", 1)
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits), A)
+    stray = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    stray.setblocking(False)
+    stray.bind(("127.0.0.1", 0))
+    srv, sport = await _sha_server()
+    try:
+        await async_wait_until(lambda: converged([a, b]), 10, "first link")
+        (la,) = _udp_links(a)
+        (lb,) = _udp_links(b)
+        listener = b._udp_listeners[0]
+        first_addr = lb.addr
+        assert first_addr == la.sock.sock.getsockname()
+        # a's packets on the wire, to replay and forge from another address
+        sent: list[bytes] = []
+        send = la.sock.send
+
+        def record(addr: Any, packets: list[bytes], src: Any = None) -> None:
+            sent.extend(packets)
+            send(addr, packets, src)
+
+        la.sock.send = record  # type: ignore[method-assign]
+        await async_wait_until(lambda: len(sent) >= 3 and lb.session.packets_in >= 3, 5, "traffic")
+        unknown = REGISTRY.value("meshgate_mesh_udp_link_dropped_total", "unknown_peer")
+        roamed = REGISTRY.value("meshgate_mesh_udp_link_roamed_total")
+        replayed, forged = lb.session.replayed, lb.session.forged
+        data_pkts = [p for p in sent if p[0] == KIND_DATA]
+        replay = data_pkts[-1]
+        fake = bytearray(replay)
+        fake[13] ^= 0x40  # a counter far ahead: judged by its tag, which no longer verifies
+        for p in (replay, bytes(fake), bytes((KIND_DATA,)) + replay[1:5] + os.urandom(60)):
+            stray.sendto(p, (host, int(port)))
+        await async_wait_until(
+            lambda: REGISTRY.value("meshgate_mesh_udp_link_dropped_total", "unknown_peer") >= unknown + 3,
+            5, "forgeries refused",
+        )
+        assert lb.session.replayed >= replayed + 1 and lb.session.forged >= forged + 1
+        assert lb.addr == first_addr and lb.roams == 0  # nothing moved
+        assert REGISTRY.value("meshgate_mesh_udp_link_roamed_total") == roamed
+
+        # a NAT rebinding: a's packets now come from a new port; b follows the first authentic one
+        handshakes = (a.stats["handshake_ok"], b.stats["handshake_ok"])
+        new_addr = _rebind(la, asyncio.get_running_loop())
+        assert new_addr != first_addr
+        await async_wait_until(lambda: lb.addr == new_addr, 5, "b follows a to its new address")
+        assert lb.roams == 1 and REGISTRY.value("meshgate_mesh_udp_link_roamed_total") == roamed + 1
+        assert listener.by_addr == {new_addr: lb} and listener.by_id == {lb.local_id: lb}
+        data = os.urandom(2 << 20)
+        assert await _stream_sha(a, B, sport, data) == hashlib.sha256(data).digest()
+        # the same sessions, no new handshake, still hearing each other a dead timer later
+        assert _udp_links(a) == [la] and _udp_links(b) == [lb]
+        assert (a.stats["handshake_ok"], b.stats["handshake_ok"]) == handshakes == (1, 1)
+        later = asyncio.get_running_loop().time() + 2.2
+        await async_wait_until(lambda: min(la.last_rx, lb.last_rx) > later, 6, "pings a dead timer later")
+        assert _udp_links(a) == [la] and _udp_links(b) == [lb] and b.stats["link_dead"] == 0
+        assert a.stats["link_dead"] == 0 and lb.addr == new_addr
+    finally:
+        stray.close()
+        srv.close()
         await stop_all([a, b])

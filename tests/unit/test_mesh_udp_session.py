@@ -433,3 +433,20 @@ def test_payload_sizes_fit_ethernet() -> None:
     assert max(sizes) == 1452 and len(sizes) >= 50_000 // 1452
     with pytest.raises(ValueError):
         UdpSession(True, "net", PSK, lambda *f: None, 1, payload=100)
+
+
+def test_newest_tells_the_latest_record_from_stragglers_and_junk() -> None:
+    """The roaming test (link_udp): only the newest authentic record may move a session."""
+    w = Wire(15)
+    w.establish()
+    _hello(w)
+    pkts = []
+    for i in range(3):
+        w.a.send_frame(PING, 0, 1, 1, 2, bytes((i,)))
+        pkts += w.a.packets_to_send(w.now)
+    p0, p1, p2 = pkts
+    assert w.b.receive(p1, w.now) and w.b.newest(p1)
+    assert w.b.receive(p0, w.now) and not w.b.newest(p0)  # authentic, but older: a straggler
+    assert not w.b.receive(p1, w.now)  # a replay is not even accepted
+    assert w.b.receive(p2, w.now) and w.b.newest(p2)
+    assert not w.b.newest(b"") and not w.b.newest(p2[:20]) and not w.b.newest(p2[:1] + bytes(60))
