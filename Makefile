@@ -2,8 +2,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# System tools the end-to-end and system tests drive (installed with apt when root).
-APT_TOOLS := curl chromium dnsperf knot-dnsutils bind9-dnsutils iproute2 nftables iperf3 openssl
+# System tools the end-to-end and system tests drive (installed with apt when root; procps: ps, sysctl).
+APT_TOOLS := curl chromium dnsperf knot-dnsutils bind9-dnsutils iproute2 nftables iperf3 openssl procps
 APT_STAMP := $(VENV)/.apt-done
 PY_STAMP := $(VENV)/.py-done
 

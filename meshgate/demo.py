@@ -163,8 +163,16 @@ class Demo:
                 "--doq", f"127.0.0.1:{pt.doq}", "--admin", f"127.0.0.1:{pt.admin}"]
 
     # ------------------------------------------------------------------ readiness
+    def web_listening(self) -> bool:
+        """demo_web prints its line once its socket listens (a separate process: not implied by routes)."""
+        try:
+            return "demo web " in (self.log_dir / "web.log").read_text(errors="replace")
+        except OSError:
+            return False
+
     def wait_ready(self, timeout: float = 60.0) -> bool:
-        """Ready when the portal's admin API lists the exit (and the lan it proxies) as reachable."""
+        """Ready when the portal's admin API lists the exit (and the lan it proxies) as reachable
+        and the web page's server listens."""
         deadline = time.monotonic() + timeout
         url = f"http://127.0.0.1:{self.ports.admin}/routes"
         while time.monotonic() < deadline:
@@ -179,7 +187,9 @@ class Demo:
             except (OSError, ValueError):
                 routes = []
             # the exit's record carries both its exit offer and the mapped lan
-            if any(rt.get("name") == "exit" and "10.2.2.0/24" in rt.get("proxy_cidrs", []) for rt in routes):
+            if self.web_listening() and any(
+                rt.get("name") == "exit" and "10.2.2.0/24" in rt.get("proxy_cidrs", []) for rt in routes
+            ):
                 return True
             time.sleep(0.2)
         return False

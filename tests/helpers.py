@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import random
 import shutil
 import socket
 import time
@@ -85,11 +86,45 @@ async def async_wait_until(
         delay = min(delay * 2, 0.05)
 
 
+def _ports_outside_ephemeral_range() -> list[int]:
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return []
+    return [p for p in (*range(20000, lo), *range(hi + 1, 65536)) if p >= 20000]
+
+
+_CANDIDATES = _ports_outside_ephemeral_range()
+_handed_out: set[int] = set()
+_rng = random.Random()  # seeded from urandom: concurrent test runs do not walk the same ports
+
+
 def free_port(kind: int = socket.SOCK_STREAM, host: str = "127.0.0.1") -> int:
+    """A port nothing is bound to now, for a listener another process will open later.
+
+    Taken from outside the kernel's ephemeral range when it leaves room: a port from that range
+    (what bind(0) returns) can be given as the local port of some outgoing connection between
+    this check and the listener's bind, which then fails with EADDRINUSE. Never the same port
+    twice in one test run."""
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(200):
+        if not _CANDIDATES:
+            break
+        port = _rng.choice(_CANDIDATES)
+        if port in _handed_out:
+            continue
+        with socket.socket(fam, kind) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket(fam, kind) as s:
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _handed_out.add(port)
+    return port
 
 
 def sha256(data: bytes) -> str:

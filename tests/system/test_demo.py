@@ -40,7 +40,7 @@ def _leftovers(prefix: str) -> list[str]:
 @pytest.fixture(scope="module")
 def demo() -> Iterator[dict[str, object]]:
     require_root()
-    for tool in ("ip", "curl"):
+    for tool in ("ip", "curl", "ps"):
         require_tool(tool)
     prefix = f"mgd{os.getpid() % 100000}"
     ports = {k: free_port() for k in ("socks5", "doh", "admin")}

@@ -46,6 +46,8 @@ def topo() -> Iterator[Topology]:
     require_root()
     require_tool("ip")
     require_tool("curl")
+    require_tool("ss")
+    require_tool("sysctl")  # Topology.build runs it in each namespace
     workdir = Path(tempfile.mkdtemp(prefix="portal-netns-"))
     t = Topology(prefix=f"mgp{int(time.time()) % 100000}", workdir=workdir)
     try:
