@@ -103,13 +103,18 @@ def start_c(t: Topology, mesh: str) -> None:
     wait_route(t, "b", C_VIP, needs=C_USUAL if mesh == C_MESH_EXIT else '"0.0.0.0/0"')
 
 
+A_EXIT: dict[str, str] = {}  # per topology: the exit_nodes A runs with now
+
+
 def start_a(t: Topology, exit_nodes: str, needs: str = C_USUAL) -> None:
+    A_EXIT.pop(t.prefix, None)
     t.stop("a")
     mesh = f'peers = ["tcp://172.31.1.2:11010"]\nexit_nodes = {exit_nodes}\ndirect_fallback = false'
     node_toml("a", t.workdir, "10.144.7.1", mesh, PORTAL)
     t.start_node("a")
     wait_route(t, "a", C_VIP, needs=needs)
     wait_listening(t, "a", "127.0.0.1:1080")
+    A_EXIT[t.prefix] = exit_nodes
 
 
 def wait_route(t: Topology, role: str, vip: str, timeout: float = 30, needs: str = "") -> None:
@@ -131,9 +136,12 @@ def curl(t: Topology, url: str, role: str = "a") -> subprocess.CompletedProcess[
     return t.nsexec(role, "curl", "-sS", "--max-time", "15", "--proxy", "socks5h://127.0.0.1:1080", url)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def a_auto(topo: Topology) -> Topology:
-    start_a(topo, '["auto"]')
+    """A with exit_nodes = ["auto"]; restarted only if a test left it with another exit list, so
+    the tests that use it pass in any order."""
+    if A_EXIT.get(topo.prefix) != '["auto"]':
+        start_a(topo, '["auto"]')
     return topo
 
 
@@ -194,7 +202,6 @@ def test_catch_all_proxy_cidr_acts_as_exit(topo: Topology) -> None:
 
 def test_chromium_in_as_namespace(a_auto: Topology) -> None:
     chromium = require_tool("chromium")
-    start_a(a_auto, '["auto"]')
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              "--proxy-server=socks5://127.0.0.1:1080", "--proxy-bypass-list=<-loopback>"]
@@ -209,7 +216,6 @@ def test_chromium_in_as_namespace(a_auto: Topology) -> None:
 def test_dns_over_socks_udp_to_a_lan_resolver(a_auto: Topology, server: str) -> None:
     import json
 
-    start_a(a_auto, '["auto"]')
     r = a_auto.nsexec("a", sys.executable, "-m", "tests.system.socks_udp_dns", "127.0.0.1", "1080", server,
                       "5353", "printer.lan.test")
     assert r.returncode == 0, r.stderr + a_auto.log("lan-dns")
