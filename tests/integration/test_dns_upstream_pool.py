@@ -309,7 +309,7 @@ async def test_dead_and_silent_upstreams_fail_over_within_the_timeout(auth: Loca
 
 async def test_https_upstream_reuses_one_http2_connection(auth: LocalAuthority, tls_files: Any) -> None:
     back = Pipeline(make_config([auth.url]), types.SimpleNamespace(mesh=None))
-    stats = ListenerStats("test-doh")
+    stats = ListenerStats("test-doh-reuse")  # its own label: the counters are process-wide
     app = DohApp(back, stats, "/dns-query")
     limits = back.config.limits
     accepted = 0
@@ -390,7 +390,7 @@ async def test_quic_upstream_carries_many_streams_on_one_connection(auth: LocalA
 
 async def test_https_and_quic_dropped_connections_are_replaced(auth: LocalAuthority, tls_files: Any) -> None:
     back = Pipeline(make_config([auth.url]), types.SimpleNamespace(mesh=None))
-    stats = ListenerStats("test-doh")
+    stats = ListenerStats("test-doh-replaced")
     app = DohApp(back, stats, "/dns-query")
     h2conns: list[H2ServerProtocol] = []
 
