@@ -92,7 +92,7 @@ listen = "127.0.0.1:{doh}"
     banner = ""
     try:
         while "self-signed certificate" not in banner:
-            line = await asyncio.wait_for(proc.stdout.readline(), 20)
+            line = await asyncio.wait_for(proc.stdout.readline(), 60)  # a cold start on a busy CI box
             if not line:
                 raise AssertionError(f"meshgate run exited: {banner}")
             banner += line.decode()

@@ -72,7 +72,7 @@ def test_three_processes_converge_and_a_wrong_secret_never_appears(tmp_path: Pat
             routes = _get(admin[i], "/routes")
             return {r["name"] for r in routes} if routes else set()
 
-        wait_until(lambda: all(names(i) == {"a", "b", "c"} for i in range(3)), 20, "a, b and c to converge")
+        wait_until(lambda: all(names(i) == {"a", "b", "c"} for i in range(3)), 60, "a, b and c to converge")
         c_routes = {r["name"]: r for r in _get(admin[2], "/routes")}
         assert c_routes["a"]["hops"] == 2 and c_routes["a"]["next_hop"] == c_routes["b"]["id"]
         # the wrong-secret node has tried every peer by now (it keeps retrying with backoff)
@@ -81,7 +81,7 @@ def test_three_processes_converge_and_a_wrong_secret_never_appears(tmp_path: Pat
                 "failed_closed"
                 in urllib.request.urlopen(f"http://127.0.0.1:{admin[3]}/metrics").read().decode()
             ),
-            20,
+            60,
             "the evil node's failed handshakes",
         )
         for i in range(3):
