@@ -4,7 +4,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hypothesis import HealthCheck, settings
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Property tests check behaviour, not speed: no per-example deadline (hypothesis' default 200 ms
+# fails examples that a busy or slower CI machine merely ran late, as DeadlineExceeded or Flaky),
+# and no too_slow health check on input generation. Examples stay random; a failure prints the
+# blob that reproduces it. HYPOTHESIS_PROFILE=default restores hypothesis' own settings.
+settings.register_profile(
+    "meshgate", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "meshgate"))
 
 
 def pytest_asyncio_loop_factories(config: Any, item: Any) -> Mapping[str, Callable[[], Any]]:
