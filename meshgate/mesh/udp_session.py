@@ -21,8 +21,9 @@ that asked for it, and only the initiator retransmits (msg1 until msg2 arrives, 
 until the responder's first sealed packet arrives): a responder sends one msg2 per
 msg1 received and nothing else before the handshake completes.
 
-DATAGRAM frames never use the reliable channel: one that fits a packet travels whole
-(DGRAM); a bigger one (up to 65535 frame bytes) is cut into DFRAG pieces packed densely
+DATAGRAM frames travel unreliably: one that fits a packet whole (DGRAM); a bigger one (up
+to 65535 frame bytes; only a full 65536-byte frame takes the reliable channel, as the u16
+total cannot say its size) is cut into DFRAG pieces packed densely
 into the room packets have left (so runs of full-size packets stay GSO-friendly) and
 reassembled by the receiver in a bounded table (entries, bytes, a timeout): a lost
 piece loses that datagram only, which is counted by reason.

@@ -450,3 +450,15 @@ def test_newest_tells_the_latest_record_from_stragglers_and_junk() -> None:
     assert not w.b.receive(p1, w.now)  # a replay is not even accepted
     assert w.b.receive(p2, w.now) and w.b.newest(p2)
     assert not w.b.newest(b"") and not w.b.newest(p2[:20]) and not w.b.newest(p2[:1] + bytes(60))
+
+
+def test_a_full_size_datagram_frame_takes_the_reliable_channel() -> None:
+    """65536 frame bytes do not fit DFRAG's u16 total: the one size that goes reliably."""
+    w = Wire(16, loss=0.1)
+    w.establish()
+    _hello(w)
+    body = os.urandom(MAX_BODY - 2)
+    w.a.send_frame(DATAGRAM, 0, 8, 1, 2, b"\x00\x03", body)
+    assert w.a.fragmented_out == 0 and w.a.queued() == FRAME.size + MAX_BODY
+    w.run(w.now + 30, lambda: len(w.got["b"]) == 2)
+    assert w.got["b"][1] == (DATAGRAM, 0, 8, 1, 2, b"\x00\x03" + body)
