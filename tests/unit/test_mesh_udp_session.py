@@ -462,3 +462,22 @@ def test_a_full_size_datagram_frame_takes_the_reliable_channel() -> None:
     assert w.a.fragmented_out == 0 and w.a.queued() == FRAME.size + MAX_BODY
     w.run(w.now + 30, lambda: len(w.got["b"]) == 2)
     assert w.got["b"][1] == (DATAGRAM, 0, 8, 1, 2, b"\x00\x03" + body)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(
+    st.binary(max_size=200),
+    st.builds(lambda fid, total, off, n, junk: DFRAG.pack(CH_DFRAG, fid, total, off, n) + junk,
+              st.integers(0, 2), st.integers(0, 3000), st.integers(0, 3000), st.integers(0, 1400),
+              st.binary(max_size=1400)),
+), max_size=6))
+def test_fuzz_authentic_plaintext_never_raises_but_link_errors(chunks: list[bytes]) -> None:
+    """Sealed with the real key, so it gets past the AEAD into the chunk decoder."""
+    w = Wire(17, reassembly=4, reassembly_bytes=150_000)
+    w.establish()
+    _hello(w)
+    for c in chunks:
+        with contextlib.suppress(LinkError):  # a CLOSE chunk ends the link: the one allowed error
+            w.b.receive(_sealed(w, ACK.pack(CH_ACK, 0, 0) + c), w.now)
+        assert w.b.reassembly_held()[0] <= 4 and w.b.reassembly_held()[1] <= 150_000
+        w.now += 0.2
