@@ -1,7 +1,7 @@
 """TUN data path throughput: iperf3 between network namespaces through the mesh (root only).
 
     sudo .venv/bin/python bench/tun.py [--rounds 3] [--seconds 5] [--only NAMES] [--json FILE]
-                                       [--ab REF]
+                                       [--ab REF] [--loss PCT]
 
 Topology (tests/system/tun_topology.py): A — B — C, every node with a TUN device;
 "1 hop" is A -> B's virtual IP, "2 hops" is A -> C's virtual IP relayed by B.
@@ -22,6 +22,11 @@ Variants, each in its own set of namespaces, alternating per round (bench/common
 A/B of a change: `--ab REF` adds `meshgate-udp@REF` (and `meshgate@REF`), meshgate as of
 git REF on the same links, alternating with the checkout in every round; the ratio
 columns are then against `meshgate-udp@REF` (paired per round).
+
+Random packet loss: `--loss PCT` drops PCT% of the packets A and B send to a link port
+(nftables `numgen random`, output hook: tcp and udp port 11010, every variant alike). A GSO
+batch would be dropped whole there, so the meshgate udp rows send one packet per syscall
+under --loss (`udp_link_gso = false`, for the @REF rows too).
 
 Metrics: TCP MB/s (iperf3 receiver), UDP packets/s received (1200-byte datagrams,
 unlimited rate, loss reported), and CPU seconds per GiB moved for each node's
@@ -119,6 +124,7 @@ class Setup:
     links: str = "tcp"
     extra: str = ""  # appended to every node's config
     tree: Path | None = None  # run meshgate from this extracted git REF (--ab), not the checkout
+    loss: float = 0.0  # percent of link packets A and B drop on output (--loss)
     topo: Topology | None = None
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -152,6 +158,16 @@ class Setup:
                         "--loop", self.loop]
                 self.pids[role] = t.spawn(role, role, argv).pid
         t.wait_ping("a", MESH_DST["c"], timeout=30)
+        if self.loss:
+            permille = round(self.loss * 10)
+            rules = workdir / f"{self.name}-loss.nft"
+            rules.write_text(
+                "table inet bench_loss {\n chain out {\n  type filter hook output priority 0;\n"
+                f"  meta l4proto {{ tcp, udp }} th dport 11010 numgen random mod 1000 < {permille} drop\n"
+                " }\n}\n"
+            )
+            for role in ("a", "b"):
+                t.nsexec(role, "nft", "-f", str(rules), check=True)
 
     def down(self) -> None:
         if self.topo is not None:
@@ -206,6 +222,8 @@ def main() -> int:
     add_args(ap)
     ap.add_argument("--seconds", type=float, default=5.0, help="iperf3 duration per measurement")
     ap.add_argument("--ab", metavar="REF", help="also run meshgate as of git REF (rows NAME@REF)")
+    ap.add_argument("--loss", type=float, default=0.0, metavar="PCT",
+                    help="drop PCT%% of the link packets A and B send (udp rows then run without GSO)")
     ap.add_argument("--easytier-node", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.easytier_node:
@@ -226,6 +244,10 @@ def main() -> int:
               file=sys.stderr)
         candidates = [s for s in candidates if not s.easytier]
     setups = [s for s in candidates if selected(args, s.name)]
+    for s in setups:
+        s.loss = args.loss
+        if args.loss and s.mesh and not s.easytier and s.links == "udp" and NOGSO not in s.extra:
+            s.extra += NOGSO
     runners: list[Runner] = []
     try:
         live: list[Setup] = []
