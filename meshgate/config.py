@@ -196,6 +196,7 @@ class LimitsConfig:
     udp_link_reassembly: int = 64  # udp:// links: datagrams in reassembly from pieces; more: oldest lost
     udp_link_reassembly_bytes: int = 1048576  # udp:// links: fragment bytes held for reassembly per link
     udp_link_reassembly_timeout: float = 0.5  # udp:// links: seconds a datagram may wait for its pieces
+    udp_link_fragment_datagrams: bool = True  # udp:// links: big datagrams in pieces; false: reliable channel
     tun_read_batch: int = 256  # packets read from the TUN device per loop wake-up before yielding
     tun_write_queue: int = 4096  # mesh packets queued for the TUN device within one loop tick
     dns_timeout: float = 3.0

@@ -347,6 +347,7 @@ class UdpLink(LinkBase):
             max_retransmits=limits.udp_link_retransmits, on_established=self._established,
             reassembly=limits.udp_link_reassembly, reassembly_bytes=limits.udp_link_reassembly_bytes,
             reassembly_timeout=limits.udp_link_reassembly_timeout,
+            fragment=limits.udp_link_fragment_datagrams,
         )
         self._flush_scheduled = False
         self._timer_handle: asyncio.TimerHandle | None = None

@@ -613,9 +613,11 @@ UDP_LINK_GSO_MAX_SIZE = 32768
 
 
 def gso_max_size(cfg: Config) -> int:
-    """The device's largest super-packet: smaller when the node has any udp:// link."""
+    """The device's largest super-packet: smaller when the node has any udp:// link that
+    carries big datagrams in pieces (limits.udp_link_fragment_datagrams)."""
     urls = (*cfg.mesh.listen, *cfg.mesh.peers)
-    return UDP_LINK_GSO_MAX_SIZE if any(u.scheme == "udp" for u in urls) else GSO_MAX_SIZE
+    udp = any(u.scheme == "udp" for u in urls) and cfg.limits.udp_link_fragment_datagrams
+    return UDP_LINK_GSO_MAX_SIZE if udp else GSO_MAX_SIZE
 
 
 def _open_tun(name: str) -> tuple[Any, int, int]:

@@ -172,6 +172,7 @@ class UdpSession:
         reassembly: int = 64,
         reassembly_bytes: int = 1 << 20,
         reassembly_timeout: float = 0.5,
+        fragment: bool = True,
     ) -> None:
         if payload < DATA_OVERHEAD + ACK.size + SEG.size + FRAME.size + 64:
             raise ValueError(f"UDP payload of {payload} bytes is too small for a link")
@@ -233,6 +234,9 @@ class UdpSession:
         self.reassembly = max(1, reassembly)
         self.reassembly_bytes = reassembly_bytes
         self.reassembly_timeout = reassembly_timeout
+        # False: a DATAGRAM too big for a packet takes the reliable channel (retransmitted hop by
+        # hop) instead of DFRAG pieces, whose loss loses it whole (limits.udp_link_fragment_datagrams)
+        self.dfrag_max = DFRAG_MAX if fragment else 0
         self._close = False
         # counters the adapter reports
         self.packets_in = 0
@@ -697,7 +701,9 @@ class UdpSession:
         """Queue one frame: a DATAGRAM goes unreliably (whole if it fits a packet, else in
         DFRAG pieces), anything else on the reliable channel."""
         n = len(head) + len(data)
-        if ftype == DATAGRAM and FRAME.size + n <= DFRAG_MAX:
+        if ftype == DATAGRAM and (
+            FRAME.size + n <= self.dfrag_max or FRAME.size + n + DGRAM.size + ACK.size <= self.plain_room
+        ):
             frame = b"".join((FRAME.pack(ftype, flags, hop, n, src, dst), head, data))
             if FRAME.size + n + DGRAM.size + ACK.size <= self.plain_room:
                 self._dgrams.append(frame)

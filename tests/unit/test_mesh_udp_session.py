@@ -481,3 +481,19 @@ def test_fuzz_authentic_plaintext_never_raises_but_link_errors(chunks: list[byte
             w.b.receive(_sealed(w, ACK.pack(CH_ACK, 0, 0) + c), w.now)
         assert w.b.reassembly_held()[0] <= 4 and w.b.reassembly_held()[1] <= 150_000
         w.now += 0.2
+
+
+def test_fragmenting_switched_off_big_datagrams_take_the_reliable_channel() -> None:
+    """limits.udp_link_fragment_datagrams = false: retransmitted hop by hop, never lost."""
+    w = Wire(18, loss=0.1, fragment=False)
+    w.establish()
+    _hello(w)
+    sent = [_big(i, 20_000) for i in range(20)]
+    for d in sent:
+        w.a.send_frame(DATAGRAM, 0, 8, 1, 2, b"\x00\x03", d)
+    assert w.a.fragmented_out == 0 and w.a.queued() > 0
+    w.a.send_frame(DATAGRAM, 0, 8, 1, 2, b"\x00\x03", b"small")  # fits a packet: still unreliable
+    assert len(w.a._dgrams) == 1
+    w.run(w.now + 30, lambda: len(w.got["b"]) >= 21 and not w.a._unacked)
+    got = [f[5][2:] for f in w.got["b"][1:] if f[5][2:] != b"small"]
+    assert got == sent and w.a.retransmits > 0
