@@ -13,7 +13,9 @@ Variants, each in its own set of namespaces, alternating per round (bench/common
 * `meshgate-udp`  udp:// links (meshgate/mesh/link_udp.py), GSO batching on where the
                   kernel has it; `meshgate-udp-nogso` the same with `limits.udp_link_gso =
                   false` (one send per packet): the two alternate in every round, so
-                  their paired ratio is the GSO gain.
+                  their paired ratio is the GSO gain. `meshgate-udp-reliable`: big
+                  datagrams (super-packets, bundles) on the links' reliable channel
+                  (`limits.udp_link_fragment_datagrams = false`) instead of in pieces.
 * `easytier`      the EasyTier core (PyPI `easytier-pyo3`) in TUN mode, TCP links, same
                   addresses; its STUN lists point at loopback (the namespaces have no
                   way out anyway). Skipped if the package is missing. `easytier-udp`:
@@ -64,11 +66,13 @@ KERNEL_DST = {"b": "172.31.1.2", "c": "172.31.2.3"}
 MESH_DST = {"b": "10.144.144.2", "c": "10.144.144.3"}
 
 
-NOGSO = "[limits]\nudp_link_gso = false\n"
+NOGSO = "udp_link_gso = false\n"
+RELIABLE = "udp_link_fragment_datagrams = false\n"
 
 
-def node_conf(links: str, extra: str = "") -> dict[str, str]:
-    """The node configs with `links` (tcp or udp) for every link URL."""
+def node_conf(links: str, limits: str = "") -> dict[str, str]:
+    """The node configs with `links` (tcp or udp) for every link URL and `limits` lines."""
+    extra = f"[limits]\n{limits}" if limits else ""
     return {role: text.replace("tcp://", f"{links}://") + extra for role, text in NODE_CONF.items()}
 
 
@@ -122,7 +126,7 @@ class Setup:
     loop: str = "uvloop"
     easytier: bool = False
     links: str = "tcp"
-    extra: str = ""  # appended to every node's config
+    limits: str = ""  # [limits] lines for every node's config
     tree: Path | None = None  # run meshgate from this extracted git REF (--ab), not the checkout
     loss: float = 0.0  # percent of link packets A and B drop on output (--loss)
     topo: Topology | None = None
@@ -145,7 +149,7 @@ class Setup:
                 spec = json.dumps({"name": role, **conf[role]})
                 self.pids[role] = t.spawn(role, role, [sys.executable, __file__, "--easytier-node", spec]).pid
         else:
-            for role, text in node_conf(self.links, self.extra).items():
+            for role, text in node_conf(self.links, self.limits).items():
                 t.config(role, text)
             for role in ("c", "b", "a"):
                 if self.tree is None:
@@ -231,7 +235,8 @@ def main() -> int:
     candidates = [Setup("kernel", mesh=False), Setup("meshgate", mesh=True),
                   Setup("meshgate-asyncio", mesh=True, loop="asyncio"),
                   Setup("meshgate-udp", mesh=True, links="udp"),
-                  Setup("meshgate-udp-nogso", mesh=True, links="udp", extra=NOGSO),
+                  Setup("meshgate-udp-nogso", mesh=True, links="udp", limits=NOGSO),
+                  Setup("meshgate-udp-reliable", mesh=True, links="udp", limits=RELIABLE),
                   Setup("easytier", mesh=True, easytier=True),
                   Setup("easytier-udp", mesh=True, easytier=True, links="udp")]
     workdir = Path(tempfile.mkdtemp(prefix="meshgate-bench-tun-"))
@@ -246,8 +251,8 @@ def main() -> int:
     setups = [s for s in candidates if selected(args, s.name)]
     for s in setups:
         s.loss = args.loss
-        if args.loss and s.mesh and not s.easytier and s.links == "udp" and NOGSO not in s.extra:
-            s.extra += NOGSO
+        if args.loss and s.mesh and not s.easytier and s.links == "udp" and NOGSO not in s.limits:
+            s.limits += NOGSO
     runners: list[Runner] = []
     try:
         live: list[Setup] = []
