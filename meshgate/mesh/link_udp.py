@@ -444,6 +444,9 @@ class UdpLink(LinkBase):
     def buffered(self) -> int:
         return self.session.buffered()
 
+    def datagram_room(self) -> int:
+        return self.session.datagram_room
+
     def drop_counts(self) -> tuple[int, int, int]:
         """Also the once-per-tick report of this link's UDP counters into the metrics."""
         s = self.session

@@ -20,6 +20,7 @@ from meshgate.logs import RateLimitedLog
 from meshgate.mesh import link_tcp
 from meshgate.mesh.frames import (
     HELLO,
+    MAX_BODY,
     Hello,
     LinkCodec,
     LinkError,
@@ -123,6 +124,11 @@ class LinkBase:
     def buffered(self) -> int:
         """Bytes accepted for sending and not yet gone (or, on UDP, not yet acknowledged)."""
         raise NotImplementedError
+
+    def datagram_room(self) -> int:
+        """The largest DATAGRAM frame body this link carries as one unit (a byte pipe: any;
+        a udp:// link: what fits one packet beside its headers; bigger ones go in pieces)."""
+        return MAX_BODY
 
     def drop_counts(self) -> tuple[int, int, int]:
         """Records dropped so far: (replayed, forged, malformed)."""

@@ -659,6 +659,14 @@ class MeshService:
         link.send_frame(DATAGRAM, flags, DEFAULT_HOP_LIMIT, self.node_id, node_id, head, payload)
         return True
 
+    def datagram_room(self, node_id: int) -> int:
+        """The largest payload a datagram to `node_id` carries whole over the next hop (smaller
+        than a frame on a udp:// link, where a bigger one is cut into pieces, each loss losing
+        it whole): the TUN path bundles packets up to this."""
+        link = self._route_link(node_id, self.policy_flag)
+        room = link.datagram_room() if link is not None else MAX_BODY
+        return room - CHANNEL.size
+
     def on_datagram(self, channel: int, callback: DatagramCallback) -> None:
         self._datagram_handlers[channel] = callback
 

@@ -183,6 +183,7 @@ class UdpSession:
         self.payload = payload
         self.plain_room = payload - DATA_OVERHEAD
         self.seg_room = self.plain_room - ACK.size - SEG.size  # stream bytes per segment
+        self.datagram_room = self.plain_room - ACK.size - DGRAM.size - FRAME.size  # body of a whole DGRAM
         self.window = max(window, 4 * self.seg_room)
         self.queue_limit = queue_limit
         self.max_retransmits = max_retransmits

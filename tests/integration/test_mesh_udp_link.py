@@ -339,3 +339,52 @@ async def test_roaming_peer_keeps_its_session_and_forgeries_move_nothing() -> No
         stray.close()
         srv.close()
         await stop_all([a, b])
+
+
+async def test_tun_bundles_fit_one_udp_packet() -> None:
+    """The TUN path bundles what one read brought for a node only up to what the next hop
+    carries whole: over a udp:// link a bundle cut into pieces would be lost whole with any
+    one of them, so each leaves in one packet (small packets still share one)."""
+    from meshgate.mesh import tun_packets as tp
+    from meshgate.mesh.frames import FRAME
+    from meshgate.mesh.tun import TunPath
+    from meshgate.mesh.udp_session import ACK, DATA_OVERHEAD, DGRAM
+    from tests.unit.test_tun_packets import ipv4
+
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"]), B)
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[b.listen_addrs[0]]), A)
+    loop = asyncio.get_running_loop()
+    socks: list[socket.socket] = []
+    paths: list[TunPath] = []
+    try:
+        await async_wait_until(lambda: converged([a, b]), 10, "link")
+        assert a.datagram_room(B) == 1472 - DATA_OVERHEAD - ACK.size - DGRAM.size - FRAME.size - 2
+        hosts = {}
+        for nid, svc, ip in ((A, a, "10.9.0.1"), (B, b, "10.9.0.2")):
+            dev, host = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+            host.setblocking(False)
+            socks += [dev, host]
+            path = TunPath(loop, dev.fileno(), svc, ipaddress.IPv4Address(ip), None, 1380, egress=False)
+            path.start()
+            paths.append(path)
+            hosts[nid] = host
+        src, dst = ipaddress.IPv4Address("10.9.0.1").packed, ipaddress.IPv4Address("10.9.0.2").packed
+        sent = [ipv4(src, dst, tp.PROTO_UDP, i.to_bytes(2, "big") + os.urandom(n))
+                for i, n in enumerate([1200] * 20 + [40] * 40)]
+        (link,) = _udp_links(a)
+        before = link.session.packets_out
+        for p in sent:  # written before the loop runs: one read batch, one bundle pass
+            hosts[A].send(p)
+        got: list[bytes] = []
+        while len(got) < len(sent):
+            got.append(await asyncio.wait_for(loop.sock_recv(hosts[B], 65536), 5))
+        assert sorted(g[20:] for g in got) == sorted(p[20:] for p in sent)
+        assert link.session.fragmented_out == 0  # nothing was cut into pieces
+        # the 40 small ones shared packets: far fewer packets than IP packets
+        assert link.session.packets_out - before < 20 + 10
+    finally:
+        for path in paths:
+            path.stop()
+        await stop_all([a, b])
+        for s in socks:
+            s.close()
