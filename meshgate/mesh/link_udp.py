@@ -414,7 +414,10 @@ class UdpLink(LinkBase):
             self.url = str(LinkUrl("udp", addr[0], addr[1]))
             self.roams += 1
             _roamed.inc()
-            log.info("udp link: peer moved from %s to %s", _fmt_addr(old), _fmt_addr(addr))
+            # rate-limited per session: a peer whose packets alternate between two paths would
+            # otherwise log every switch
+            _rlog.log(logging.INFO, f"roam:{self.local_id}", "udp link: peer moved from %s to %s",
+                      _fmt_addr(old), _fmt_addr(addr))
             if self.on_roam is not None:
                 self.on_roam(self, old)
         self._flush_soon()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
+import logging
 import os
 import socket
 from typing import Any
@@ -275,7 +276,10 @@ def _rebind(link: UdpLink, loop: asyncio.AbstractEventLoop) -> tuple[str, int]:
     return addr
 
 
-async def test_roaming_peer_keeps_its_session_and_forgeries_move_nothing() -> None:
+async def test_roaming_peer_keeps_its_session_and_forgeries_move_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="meshgate.mesh.udp")
     limits = {"mesh_ping_interval": 0.2, "mesh_dead_after": 2.0}
     b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits), B)
     url = b.listen_addrs[0]
@@ -325,6 +329,8 @@ async def test_roaming_peer_keeps_its_session_and_forgeries_move_nothing() -> No
         assert new_addr != first_addr
         await async_wait_until(lambda: lb.addr == new_addr, 5, "b follows a to its new address")
         assert lb.roams == 1 and REGISTRY.value("meshgate_mesh_udp_link_roamed_total") == roamed + 1
+        moved = f"peer moved from 127.0.0.1:{first_addr[1]} to 127.0.0.1:{new_addr[1]}"
+        assert any(moved in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
         assert listener.by_addr == {new_addr: lb} and listener.by_id == {lb.local_id: lb}
         data = os.urandom(2 << 20)
         assert await _stream_sha(a, B, sport, data) == hashlib.sha256(data).digest()
