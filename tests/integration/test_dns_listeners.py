@@ -59,7 +59,10 @@ async def start_env(tmp_path: Any, auth: LocalAuthority, **limits: Any) -> Env:
         "node": {"name": "alpha", "ipv4": "10.144.144.1/24", "state_dir": str(tmp_path / "state")},
         "dns": {"upstreams": [auth.url],
                 "listener": [{"protocol": p, "listen": "127.0.0.1:0"} for p in PROTOCOLS]},
-        "limits": {"dns_timeout": 2.0, **limits},
+        # The upstream is always the live LocalAuthority; its slow* names are held until a test
+        # releases them, and the upstream timeout must not end them first (at 2 s it did, on a
+        # busy machine, in the middle of the overload test's loop over five listeners).
+        "limits": {"dns_timeout": 60.0, **limits},
     })
     node = types.SimpleNamespace(config=cfg, mesh=None, resolver=None)
     svc = service.build(node)
