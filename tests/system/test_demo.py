@@ -99,7 +99,7 @@ def test_chromium_shows_the_web_page(demo: dict[str, object]) -> None:
                               "http://10.2.2.10/"], capture_output=True, text=True, timeout=120)
         assert "Hello from web" in dom.stdout, dom.stderr[-2000:]
         shot = Path(shots) / "tour.png"
-        subprocess.run([chromium, *CHROMIUM_FLAGS, proxy, f"--user-data-dir={profile}-2",
+        subprocess.run([chromium, *CHROMIUM_FLAGS, proxy, f"--user-data-dir={Path(shots) / 'profile'}",
                         f"--screenshot={shot}", "--window-size=900,300", "http://10.2.2.10/"],
                        capture_output=True, timeout=120)
         assert shot.exists() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
