@@ -156,7 +156,8 @@ def test_exit_v4_v6_while_own_link_keeps_working(topo: Topology) -> None:
     # longer than mesh_dead_after (5 s): a link that fell into its own tunnel would be dead by now
     deadline = time.monotonic() + 7
     while time.monotonic() < deadline:
-        assert topo.tool("a", "ping", "10.144.144.3", "--count", "1", "--timeout", "1")["replies"] == 1
+        # 3 s per ping: a loaded CI box may be slow, but a link that fell into its own tunnel never answers
+        assert topo.tool("a", "ping", "10.144.144.3", "--count", "1", "--timeout", "3")["replies"] == 1
         time.sleep(0.5)
     link_after = topo.nsexec("a", "ss", "-Htn", "state", "established", "dst", "172.31.9.2").stdout
     assert link_after.split()[2:4] == link_before.split()[2:4]  # the same TCP connection
@@ -174,7 +175,8 @@ def test_mesh_link_sockets_are_marked(topo: Topology) -> None:  # meshgate/mesh/
 def test_exit_policy_rejects_denied_destination(topo: Topology) -> None:
     r = topo.tool("a", "tcp", "198.51.100.99", PORT, "nope", "--timeout", "5")
     assert not r["ok"], r
-    assert r["error"] in ("OSError", "ConnectionRefusedError") and r["seconds"] < 4, r  # rejected, not lost
+    # rejected, not lost: a dropped SYN would end in the tool's 5 s TimeoutError instead
+    assert r["error"] in ("OSError", "ConnectionRefusedError"), r
     assert topo.tool("a", "tcp", "198.51.100.10", PORT, "yes")["ok"]
 
 
