@@ -317,10 +317,7 @@ class WorkerPool:
         if table == self._names:
             return  # compared as dicts: encoding a large table four times a second would cost more
         self._names = table
-        payload = encode_names(table)
-        if payload == self._names_payload:
-            return
-        self._names_payload = payload
+        payload = self._names_payload = encode_names(table)
         if self.changed is not None:
             self.changed()
         for w in self.workers:

@@ -386,10 +386,7 @@ class UdpLink(LinkBase):
         except LinkError as e:
             self.fail(e.reason, str(e))
             return
-        if not self._flush_scheduled and self.session.wants_flush():
-            # after the rest of this read batch: one ACK for all of it
-            self._flush_scheduled = True
-            self.loop.call_soon(self._flush)
+        self._flush_soon()
 
     def moved_packet(self, packet: memoryview, addr: Any, src: Cmsg | None) -> bool:
         """A data packet for this session from another address (listeners only): opened like
@@ -424,6 +421,7 @@ class UdpLink(LinkBase):
         return True
 
     def _flush_soon(self) -> None:
+        """After the rest of this read batch: one ACK (and what else is due) for all of it."""
         if not self._flush_scheduled and self.session.wants_flush():
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)

@@ -702,11 +702,10 @@ class UdpSession:
         """Queue one frame: a DATAGRAM goes unreliably (whole if it fits a packet, else in
         DFRAG pieces), anything else on the reliable channel."""
         n = len(head) + len(data)
-        if ftype == DATAGRAM and (
-            FRAME.size + n <= self.dfrag_max or FRAME.size + n + DGRAM.size + ACK.size <= self.plain_room
-        ):
+        whole = FRAME.size + n + DGRAM.size + ACK.size <= self.plain_room  # one DGRAM chunk
+        if ftype == DATAGRAM and (whole or FRAME.size + n <= self.dfrag_max):
             frame = b"".join((FRAME.pack(ftype, flags, hop, n, src, dst), head, data))
-            if FRAME.size + n + DGRAM.size + ACK.size <= self.plain_room:
+            if whole:
                 self._dgrams.append(frame)
             else:
                 self._dgram_id = (self._dgram_id + 1) & MASK

@@ -27,6 +27,7 @@ from meshgate.dns import h2wire
 from meshgate.dns.h2server import H2ServerProtocol, memo_request_head, request_head
 from meshgate.dns.h2wire import PREFACE, H2ConnectionError, H2Wire, frame
 from meshgate.dns.stats import ListenerStats
+from tests.helpers import async_wait_until
 
 REQ = [(":method", "POST"), (":path", "/dns-query"), (":scheme", "https"), (":authority", "x"),
        ("content-type", "application/dns-message")]
@@ -517,9 +518,7 @@ async def test_streams_we_reset_for_bad_frames_still_count_while_running() -> No
     assert srv.active == 2 and stats.snapshot()["drops"] == {"max_streams": 1}
     for fut in never:  # the handlers finish: their answers are dropped, the slots come back
         fut.set_result((200, [], b"late"))
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    assert srv.active == 0 and not srv.streams
+    await async_wait_until(lambda: srv.active == 0 and not srv.streams, 5, "the handlers' slots back")
     _close(srv)
     await asyncio.sleep(0)
 
