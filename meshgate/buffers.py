@@ -1,4 +1,4 @@
-"""Pooled byte buffers with honest lifetimes (DESIGN principle 4).
+"""Pooled byte buffers with honest lifetimes (docs/ARCHITECTURE.md, "Pooled buffers").
 
 A `Buffer` is a bytearray with `headroom` bytes reserved in front, so a
 header (a 2-byte DNS length prefix, a SOCKS UDP header, a mesh frame header)

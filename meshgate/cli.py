@@ -1,4 +1,4 @@
-"""The `meshgate` command (see INTERFACE.md "Commands")."""
+"""The `meshgate` command (README.md "Commands" lists what a user types)."""
 
 from __future__ import annotations
 

@@ -21,9 +21,8 @@ import pytest
 
 REQUIRE_E2E = os.environ.get("MESHGATE_REQUIRE_E2E") == "1"
 
-# ../shared beside the checkout (CI lays it there); MESHGATE_SHARED points elsewhere.
-SHARED = Path(os.environ.get("MESHGATE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-VECTORS = Path(os.environ.get("MESHGATE_VECTORS", SHARED / "vectors"))
+# Published test vectors, carried in the repository (tests/vectors/README.md names each source).
+VECTORS = Path(__file__).resolve().parent / "vectors"
 
 
 def require(ok: bool, what: str) -> None:

@@ -5,7 +5,7 @@
 awaitable of that when the answer needs an upstream. The ODoH target reuses
 it for the plain DoH part of a dual listener.
 
-Rules (../shared/notes/dns-protocols.md): GET `?dns=` is base64url without
+Rules (RFC 8484 sections 4.1 and 5.1; docs/ARCHITECTURE.md, "A DoH query"): GET `?dns=` is base64url without
 padding (400 for '=', '+', '/' or other bad encodings), POST needs
 `content-type: application/dns-message` (415) and at most 65535 bytes (413,
 enforced by the server while the body arrives), other methods 405. Every

@@ -1,6 +1,6 @@
 """The dialer when the node is in a mesh: pick where a destination leaves.
 
-Per destination (INTERFACE.md, "Behaviour a user relies on"):
+Per destination (docs/ARCHITECTURE.md, "A SOCKS CONNECT"):
 
 1. `<name>.<dns.zone>` is that node's virtual IP; a static `dns.records`
    name is its address. Both are then routed as addresses.

@@ -20,7 +20,7 @@ from tests.integration.test_dns_upstream import LocalAuthority
 
 pytestmark = pytest.mark.e2e
 
-RFC_GET = "AAABAAABAAAAAAAAA3d3dwdleGFtcGxlA2NvbQAAAQAB"  # ../shared/vectors/doh_rfc8484_examples.txt (1)
+RFC_GET = "AAABAAABAAAAAAAAA3d3dwdleGFtcGxlA2NvbQAAAQAB"  # tests/vectors/doh_rfc8484_examples.txt (1)
 
 
 class Node:
