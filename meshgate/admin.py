@@ -11,8 +11,9 @@ import json
 import logging
 from typing import Any
 
+from meshgate.errors import bind_error
 from meshgate.metrics import REGISTRY
-from meshgate.node import Node, bind_error
+from meshgate.node import Node
 
 log = logging.getLogger("meshgate.admin")
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from meshgate import __version__, config, logs
+from meshgate.loop import new_loop
 
 EXIT_OK, EXIT_CONFIG, EXIT_STARTUP = 0, 1, 2
 
@@ -83,19 +84,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return status
 
 
-def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
-    if kind == "uvloop":
-        try:
-            import uvloop
-
-            return uvloop.new_event_loop()
-        except ImportError:
-            pass
-    return asyncio.new_event_loop()
-
-
 async def _serve(cfg: config.Config) -> int:
-    from meshgate.node import Node, StartupError
+    from meshgate.errors import StartupError
+    from meshgate.node import Node
 
     node = Node(cfg)
     try:
@@ -136,7 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"meshgate: --doh/--doq/--dns: {e}", file=sys.stderr)
         return EXIT_CONFIG
     logs.setup(cfg.log_level)
-    loop = _new_loop(args.loop)
+    loop = new_loop(args.loop)
     try:
         return loop.run_until_complete(_serve(cfg))
     finally:

@@ -14,19 +14,10 @@ import time
 from typing import Any, Protocol
 
 from meshgate import __version__
-from meshgate.config import Config, HostPort
+from meshgate.config import Config
 from meshgate.memory import Trimmer
 
 log = logging.getLogger("meshgate.node")
-
-
-class StartupError(Exception):
-    """A service could not start; the message names the config key and address."""
-
-
-def bind_error(key: str, address: HostPort | str, exc: OSError) -> StartupError:
-    reason = exc.strerror or str(exc)
-    return StartupError(f"{key}: cannot listen on {address}: {reason}")
 
 
 class Service(Protocol):

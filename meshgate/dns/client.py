@@ -18,8 +18,8 @@ import dns.query
 import dns.rcode
 import dns.rdatatype
 
-from meshgate.dns.certs import client_context
 from meshgate.dns.upstream import split_host_port
+from meshgate.tls import client_context
 
 DEFAULT_SERVER = "udp://127.0.0.1:5353"
 

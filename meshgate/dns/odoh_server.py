@@ -23,13 +23,13 @@ from typing import Any
 
 from meshgate.config import DnsListenerConfig, LimitsConfig
 from meshgate.dns import odoh
-from meshgate.dns.certs import ensure_self_signed, server_context
 from meshgate.dns.h2server import H2ServerProtocol, Response, start_h2
 from meshgate.dns.odoh_proxy import OdohProxy
 from meshgate.dns.odoh_target import OdohTarget
 from meshgate.dns.resolver import Pipeline
 from meshgate.dns.stats import ListenerStats
-from meshgate.node import bind_error
+from meshgate.errors import bind_error
+from meshgate.tls import ensure_self_signed, server_context
 
 log = logging.getLogger("meshgate.dns.odoh")
 

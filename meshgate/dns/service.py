@@ -12,12 +12,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from meshgate import tls
 from meshgate.config import DnsListenerConfig, HostPort
-from meshgate.dns import certs
 from meshgate.dns.doh import DohApp
 from meshgate.dns.resolver import Pipeline
 from meshgate.dns.stats import ListenerStats
-from meshgate.node import bind_error
+from meshgate.errors import bind_error
 
 log = logging.getLogger("meshgate.dns")
 
@@ -52,7 +52,7 @@ class DnsService:
     def _tls_files(self, lst: DnsListenerConfig) -> tuple[str, str]:
         if lst.cert and lst.key:
             return lst.cert, lst.key
-        cert, key = certs.ensure_self_signed(self.config.state_path)
+        cert, key = tls.ensure_self_signed(self.config.state_path)
         self.generated_cert = cert
         return str(cert), str(key)
 
@@ -83,7 +83,7 @@ class DnsService:
         stats = ListenerStats(listener_url(lst))
         actual: HostPort | None = None
         reuse = self.reuse_port
-        tls: tuple[str, str] | None = None
+        files: tuple[str, str] | None = None
         if lst.protocol == "udp":
             transport = await plain.start_udp(self.pipeline, stats, host, port, reuse_port=reuse)
             self._closers.append(transport)
@@ -91,8 +91,8 @@ class DnsService:
         elif lst.protocol in ("tcp", "dot"):
             ssl = None
             if lst.protocol == "dot":
-                c, k = tls = self._tls_files(lst)
-                ssl = certs.server_context(Path(c), Path(k), alpn=["dot"])
+                c, k = files = self._tls_files(lst)
+                ssl = tls.server_context(Path(c), Path(k), alpn=["dot"])
             server, conns = await plain.start_stream(self.pipeline, stats, limits, host, port, ssl,
                                                      reuse_port=reuse)
             self._closers.append(server)
@@ -101,8 +101,8 @@ class DnsService:
         elif lst.protocol == "doh":
             from meshgate.dns.h2server import start_h2
 
-            c, k = tls = self._tls_files(lst)
-            ssl = certs.server_context(Path(c), Path(k), alpn=["h2"])
+            c, k = files = self._tls_files(lst)
+            ssl = tls.server_context(Path(c), Path(k), alpn=["h2"])
             app = DohApp(self.pipeline, stats, lst.path)
             server, hconns = await start_h2(app, stats, limits, host, port, ssl, reuse_port=reuse)
             self._closers.append(server)
@@ -134,8 +134,8 @@ class DnsService:
         if actual is not None and lst.protocol in ("udp", "tcp", "dot", "doh"):
             # Workers bind the port this process got (port 0 in the config included) and load
             # the certificate this process generated: one certificate for every process.
-            if tls is not None:
-                lst = dataclasses.replace(lst, cert=tls[0], key=tls[1])
+            if files is not None:
+                lst = dataclasses.replace(lst, cert=files[0], key=files[1])
             self._shared.append(dataclasses.replace(lst, listen=actual))
 
     async def stop(self) -> None:

@@ -23,7 +23,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from meshgate.config import LimitsConfig, parse_host_port
-from meshgate.dns.certs import client_context
 from meshgate.dns.upstream_pool import (
     ConnectionPool,
     DoqConnection,
@@ -33,6 +32,7 @@ from meshgate.dns.upstream_pool import (
     pad_query,
 )
 from meshgate.dns.wire import FLAG_TC
+from meshgate.tls import client_context
 
 __all__ = ["HttpsUpstream", "QuicUpstream", "TcpUpstream", "UdpUpstream", "Upstream", "UpstreamError",
            "parse_upstream", "resolv_conf_upstreams"]

@@ -55,8 +55,8 @@ from typing import Any
 import meshgate
 from meshgate.config import Config
 from meshgate.dns.upstream import Upstream
+from meshgate.errors import StartupError
 from meshgate.metrics import REGISTRY
-from meshgate.node import StartupError
 
 log = logging.getLogger("meshgate.dns.worker")
 
@@ -529,10 +529,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1  # the parent died before PR_SET_PDEATHSIG was armed
     config: Config = setup["config"]
     from meshgate import logs
-    from meshgate.cli import _new_loop
+    from meshgate.loop import new_loop
 
     logs.setup(config.log_level)
-    loop = _new_loop(setup["loop"])
+    loop = new_loop(setup["loop"])
     try:
         return loop.run_until_complete(_serve(sock, config, int(setup["index"])))
     finally:

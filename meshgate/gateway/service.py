@@ -6,10 +6,11 @@ from typing import Any
 
 from meshgate.buffers import BufferPool
 from meshgate.config import HostPort
+from meshgate.errors import bind_error
 from meshgate.gateway.dialer import Dialer
 from meshgate.gateway.server import Socks5Server
 from meshgate.gateway.socks5 import MAX_UDP_HEADER
-from meshgate.node import Node, bind_error
+from meshgate.node import Node
 
 # A pooled buffer holds the largest UDP payload behind room for the largest
 # SOCKS UDP header, so replies get their header prepended in place.

@@ -21,7 +21,7 @@ from aioquic.asyncio.server import QuicServer, serve
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataReceived, StreamReset
 
-from meshgate.dns.certs import make_self_signed
+from meshgate.tls import make_self_signed
 
 ALPN = "meshgate-mesh/1"
 ProtocolFactory = Callable[[], asyncio.Protocol]

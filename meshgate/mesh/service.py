@@ -164,7 +164,7 @@ class MeshService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        from meshgate.node import bind_error
+        from meshgate.errors import bind_error
 
         self.loop = asyncio.get_running_loop()
         limits = self.config.limits
@@ -172,12 +172,12 @@ class MeshService:
         self.mux.on_open = self._on_open
         urls = (*self.config.mesh.listen, *self.config.mesh.peers)
         if any(u.scheme == "udp" for u in urls) and limits.udp_link_mtu < 576:
-            from meshgate.node import StartupError
+            from meshgate.errors import StartupError
 
             mtu = limits.udp_link_mtu
             raise StartupError(f"limits.udp_link_mtu: at least 576 for udp:// links, not {mtu}")
         if any(u.scheme == "udp" for u in urls) and limits.udp_link_reassembly_bytes < 1 << 17:
-            from meshgate.node import StartupError
+            from meshgate.errors import StartupError
 
             # room for one datagram of the largest size (64 KiB) with what its pieces cost
             n = limits.udp_link_reassembly_bytes

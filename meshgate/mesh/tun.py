@@ -479,7 +479,7 @@ class TunService:
         self._sync_version: object = None
 
     async def start(self) -> None:
-        from meshgate.node import StartupError
+        from meshgate.errors import StartupError
 
         cfg = self.cfg
         mesh = self.node.mesh

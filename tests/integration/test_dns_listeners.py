@@ -31,8 +31,8 @@ from meshgate.config import from_dict
 from meshgate.dns import service
 from meshgate.dns.h2server import H2ServerProtocol
 from meshgate.dns.plain import StreamDnsProtocol
+from meshgate.errors import StartupError
 from meshgate.metrics import REGISTRY
-from meshgate.node import StartupError
 from tests.helpers import async_wait_until, free_port
 from tests.integration.test_dns_upstream import LocalAuthority
 

@@ -214,7 +214,7 @@ async def test_strays_and_wrong_secret_learn_nothing() -> None:
 
 
 async def test_too_small_mtu_is_a_startup_error() -> None:
-    from meshgate.node import StartupError
+    from meshgate.errors import StartupError
 
     cfg = node_config("a", listen=["udp://127.0.0.1:0"], limits={"udp_link_mtu": 100})
     svc = MeshService(cfg, node_id=1)

@@ -30,9 +30,9 @@ import pytest
 
 from meshgate import config
 from meshgate.dns import odoh
-from meshgate.dns.certs import ensure_self_signed
 from meshgate.dns.h2client import H2ClientConnection, H2Response, client_ssl_context, connect
 from meshgate.dns.resolver import Pipeline
+from meshgate.tls import ensure_self_signed
 from tests.helpers import async_wait_until, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -344,9 +344,9 @@ async def test_proxy_bad_input(net: Net) -> None:
 async def test_proxy_refuses_to_follow_redirects(net: Net) -> None:
     """A target answering 3xx gets a 502 with Proxy-Status, and the Location is never fetched."""
     from meshgate.config import LimitsConfig
-    from meshgate.dns.certs import server_context
     from meshgate.dns.h2server import start_h2
     from meshgate.dns.stats import ListenerStats
+    from meshgate.tls import server_context
 
     hits: list[str] = []
 
@@ -421,10 +421,10 @@ async def test_proxy_never_sees_query_in_clear(net: Net, tmp_path: Path) -> None
 
 
 async def test_target_never_sees_client_address_or_headers(net: Net, tmp_path: Path) -> None:
-    from meshgate.dns.certs import server_context
     from meshgate.dns.h2server import current_peer, start_h2
     from meshgate.dns.odoh_server import OdohApp
     from meshgate.dns.stats import ListenerStats
+    from meshgate.tls import server_context
 
     # The target in process, on the port the proxy process allow-lists, with a
     # spy in front of the ODoH app (what the HTTP layer hands it) and on the

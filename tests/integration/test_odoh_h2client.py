@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from meshgate.config import LimitsConfig
-from meshgate.dns.certs import ensure_self_signed, server_context
 from meshgate.dns.h2client import H2ClientError, H2Pool, client_ssl_context
 from meshgate.dns.h2server import start_h2
 from meshgate.dns.stats import ListenerStats
+from meshgate.tls import ensure_self_signed, server_context
 from tests.helpers import async_wait_until, free_port
 
 

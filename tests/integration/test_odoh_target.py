@@ -13,10 +13,10 @@ import pytest
 from meshgate import config
 from meshgate.buffers import Buffer
 from meshgate.dns import odoh
-from meshgate.dns.certs import ensure_self_signed
 from meshgate.dns.h2client import H2ClientConnection, client_ssl_context, connect
 from meshgate.dns.odoh_server import OdohListener, build_listener
 from meshgate.dns.resolver import Pipeline
+from meshgate.tls import ensure_self_signed
 from tests.helpers import free_port
 
 NAME = "pooled.example"

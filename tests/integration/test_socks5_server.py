@@ -733,7 +733,7 @@ async def test_burst_of_5000_connections_leaves_portal_serving_and_clean() -> No
 
 
 async def test_status_names_the_real_address_and_port_in_use_is_a_startup_error() -> None:
-    from meshgate.node import StartupError
+    from meshgate.errors import StartupError
 
     async with portal() as p:
         st = p.svc.status()

@@ -355,11 +355,11 @@ async def test_doq_0rtt_serves_only_query(tmp_path: Path) -> None:
     from aioquic.quic.configuration import QuicConfiguration
     from aioquic.quic.connection import QuicConnection
 
-    from meshgate.dns import certs
+    from meshgate import tls
     from meshgate.dns.doq import DoqProtocol
     from meshgate.dns.resolver import Frontend
 
-    cert, key = certs.ensure_self_signed(tmp_path)
+    cert, key = tls.ensure_self_signed(tmp_path)
     qcfg = QuicConfiguration(is_client=False, alpn_protocols=["doq"])
     qcfg.load_cert_chain(str(cert), str(key))
     cfg = from_dict({"node": {"name": "alpha", "ipv4": "10.144.144.1/24"}})
@@ -493,11 +493,11 @@ async def test_doq_internal_error_resets_only_that_stream(tmp_path: Path) -> Non
     from aioquic.quic.connection import QuicConnection
     from aioquic.quic.events import StreamDataReceived
 
-    from meshgate.dns import certs
+    from meshgate import tls
     from meshgate.dns.doq import DOQ_INTERNAL_ERROR, DoqProtocol
     from meshgate.dns.resolver import Frontend
 
-    cert, key = certs.ensure_self_signed(tmp_path)
+    cert, key = tls.ensure_self_signed(tmp_path)
     qcfg = QuicConfiguration(is_client=False, alpn_protocols=["doq"])
     qcfg.load_cert_chain(str(cert), str(key))
     cfg = from_dict({"node": {"name": "alpha"}})

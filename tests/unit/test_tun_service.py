@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from meshgate.config import from_dict
+from meshgate.errors import StartupError
 from meshgate.mesh.tun import TunService
-from meshgate.node import StartupError
 
 MESH = object()  # a mesh is present; these tests never get as far as using it
 

@@ -1,4 +1,4 @@
-"""TLS material for DoT/DoH/DoQ: the configured cert, or a self-signed one in the state dir."""
+"""TLS material for DNS listeners and QUIC links: the configured cert, or a self-signed one."""
 
 from __future__ import annotations
 
