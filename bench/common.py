@@ -1,6 +1,6 @@
 """Shared benchmark runner: paired, alternating rounds; medians; one table; optional JSON.
 
-Method (DESIGN.md "Benchmarks"): every variant runs once per round, the order
+Method (bench/README.md, "The method"): every variant runs once per round, the order
 alternates between rounds (forward, then reversed) so drift and warm-up hit
 every variant alike; we quote the median of each metric and, against the
 baseline, the median of the per-round ratios (paired), not a ratio of medians.
@@ -56,8 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# ../shared/peers beside the checkout (how to run each peer); MESHGATE_PEERS points elsewhere.
-PEERS = Path(os.environ.get("MESHGATE_PEERS", Path(__file__).resolve().parents[2] / "shared" / "peers"))
+# bench/peers in this checkout (templates, launchers; its README says how to run each peer);
+# MESHGATE_PEERS points elsewhere.
+PEERS = Path(os.environ.get("MESHGATE_PEERS", Path(__file__).resolve().parent / "peers"))
 
 Metrics = dict[str, float]
 
@@ -367,7 +368,7 @@ def _bulk_server(sock: socket.socket) -> None:
 
 class _Responder(asyncio.Protocol):
     """Reads the 64-byte request, answers and closes first (dante runs out of local
-    ports when the client closes first, ../shared/peers/README.md)."""
+    ports when the client closes first, bench/peers/README.md)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -673,7 +674,7 @@ def connect_burst(proxy: tuple[str, int], target: tuple[str, int], n: int, timeo
 
 
 def loopback_only() -> bool:
-    """True inside a network namespace that has only `lo` (../shared/peers/isolated)."""
+    """True inside a network namespace that has only `lo` (bench/peers/isolated)."""
     with open("/proc/self/net/dev") as f:
         return [line.split(":")[0].strip() for line in f.readlines()[2:]] == ["lo"]
 

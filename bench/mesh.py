@@ -21,10 +21,10 @@ Sections (each one table, medians of alternating rounds via bench/common.py):
 * **portal**: the same upload through a SOCKS5 portal on node A into a
   three-node line A-B-C, one and two hops: meshgate (`meshgate run`
   processes) beside the EasyTier core (`easytier_node.py` processes from
-  ../shared/peers), like for like. EasyTier contacts STUN servers, so its
+  bench/peers), like for like. EasyTier contacts STUN servers, so its
   rows only run inside a loopback-only network namespace:
 
-    ../shared/peers/isolated .venv/bin/python bench/mesh.py --only portal
+    bench/peers/isolated .venv/bin/python bench/mesh.py --only portal
 
   (outside one, the EasyTier rows are skipped with a note).
 """
@@ -583,7 +583,7 @@ def portal_section(rounds: int, size: int) -> list[Runner]:
         kinds.append("easytier")
     else:
         print("portal: not in a loopback-only namespace; EasyTier rows skipped "
-              "(run under ../shared/peers/isolated)", file=sys.stderr)
+              "(run under bench/peers/isolated)", file=sys.stderr)
     lines = {k: PortalLine(k, sink_port) for k in kinds}
     try:
         for line in lines.values():

@@ -51,8 +51,8 @@ from bench.common import (  # noqa: E402
     selected,
 )
 from meshgate.dns import odoh  # noqa: E402
-from meshgate.tls import ensure_self_signed  # noqa: E402
 from meshgate.dns.h2client import H2ClientConnection, client_ssl_context, connect  # noqa: E402
+from meshgate.tls import ensure_self_signed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "bench-name.example"

@@ -7,7 +7,7 @@ one child process) listen on 127.0.0.1; through A's portal they are reached as
 B's virtual IP (one hop: the mesh carries the stream to B, which connects to
 its own 127.0.0.1) and as C's virtual IP (two hops, relayed by B). meshgate
 nodes are `meshgate run -c` processes (uvloop); EasyTier nodes are
-../shared/peers/easytier_node.py processes (the Rust core from PyPI
+bench/peers/easytier_node.py processes (the Rust core from PyPI
 `easytier-pyo3`, no TUN), which in no-TUN mode map a node's own virtual IP to
 127.0.0.1 the same way. The client is the same for every row
 (bench/common.py: blocking sockets for bulk and RTT, uvloop for the rest).
@@ -35,7 +35,7 @@ Sections:
 EasyTier contacts STUN servers, so its rows run only inside a loopback-only
 network namespace; run the whole benchmark in one:
 
-    ../shared/peers/isolated .venv/bin/python bench/portal.py [--size MiB] [--rounds N]
+    bench/peers/isolated .venv/bin/python bench/portal.py [--size MiB] [--rounds N]
         [--churn N] [--churn-seconds S] [--burst K] [--sections main,churn] [--only meshgate,easytier]
         [--ab REF] [--json FILE]
 
@@ -323,7 +323,7 @@ def main() -> int:
             starters["easytier"] = lambda: EasyTierLine("easytier", workdir)
         else:
             print("easytier: not in a loopback-only network namespace, its rows are skipped "
-                  "(run under ../shared/peers/isolated)", file=sys.stderr)
+                  "(run under bench/peers/isolated)", file=sys.stderr)
     # ratios against EasyTier when it runs; else an A/B: the change against REF, a --variant against meshgate
     baseline = next((b for b in ("easytier", f"meshgate@{args.ab}", "meshgate") if b in starters), None)
 

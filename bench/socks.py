@@ -9,7 +9,7 @@ order (bench/common.py). Per round and variant:
 * rate: 50 concurrent clients loop CONNECT + one 64-byte request and a 64-byte
   response for a fixed time; completed connections per second. The target
   closes first (dante runs out of local ports otherwise, see
-  ../shared/peers/README.md).
+  bench/peers/README.md).
 
 The target servers run in a child process (`--serve`), so the client, the
 proxy and the targets are separate processes, as they would be for real.
