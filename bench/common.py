@@ -743,7 +743,7 @@ class Runner:
     def table(self, ratio_metrics: Sequence[str] = ()) -> str:
         med = self.medians()
         metrics = list(dict.fromkeys(k for m in med.values() for k in m))
-        ratio_cols = [m for m in ratio_metrics if m in metrics]
+        ratio_cols = [m for m in ratio_metrics if m in metrics] if self.baseline else []
         ratios = {m: self.paired_ratios(m) for m in ratio_cols}
         header = ["variant", *metrics, *(f"{m} x{self.baseline}" for m in ratio_cols), "n"]
         rows = []
@@ -829,6 +829,11 @@ def add_args(p: argparse.ArgumentParser, rounds: int = 3) -> None:
 def selected(args: argparse.Namespace, name: str) -> bool:
     only = getattr(args, "only", None)
     return not only or name in {s.strip() for s in only.split(",")}
+
+
+def fmt(v: float) -> str:
+    """A number as the tables show it (thousands separated, about three significant digits)."""
+    return _fmt(v)
 
 
 def _fmt(v: float) -> str:

@@ -64,7 +64,7 @@ from bench.common import (
 )
 from meshgate.mesh.routing import Record, RouteTable, encode_records
 from meshgate.mesh.service import MeshService
-from meshgate.mesh.testing import Collector, converged, node_config, ring_name, stop_all
+from tests.mesh_testing import Collector, converged, mesh_node, node_config, ring_name, stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -216,7 +216,7 @@ def stream_mesh(ch: Children, size: int, hops: int) -> Metrics:
     async def go() -> float:
         cfg = node_config("a", "10.99.0.1/24", peers=[f"{ch.scheme}://127.0.0.1:{peer}"], network="bench",
                           secret="bench secret")
-        a = MeshService(cfg, node_id=IDS["a"])
+        a = mesh_node(cfg, IDS["a"])
         await a.start()
         try:
             deadline = time.monotonic() + 20
@@ -256,7 +256,7 @@ def stream_ring(size: int, hops: int) -> Metrics:
         for i in range(hops + 1):
             cfg = node_config(f"n{i}", listen=[f"ring://{rings[i]}"] if i < hops else [],
                               peers=[f"ring://{rings[i - 1]}"] if i else [])
-            n = MeshService(cfg, node_id=i + 1)
+            n = mesh_node(cfg, i + 1)
             await n.start()
             nodes.append(n)
         try:
@@ -287,7 +287,7 @@ async def _datagram_mesh(kind: str, hops: int) -> tuple[list[MeshService], int]:
         else:
             listen = [f"{kind}://127.0.0.1:0"]
         cfg = node_config(f"n{i}", listen=listen, peers=[prev] if prev else [])
-        n = MeshService(cfg, node_id=i + 1)
+        n = mesh_node(cfg, i + 1)
         await n.start()
         prev = n.listen_addrs[0]
         nodes.append(n)
@@ -431,7 +431,7 @@ def convergence_time(n: int) -> Metrics:
         for i in range(n):
             peers = [f"ring://{names[j]}" for j, _ in adj[i] if j < i]
             cfg = node_config(f"n{i}", listen=[f"ring://{names[i]}"], peers=peers)
-            svc = MeshService(cfg, node_id=i + 1)
+            svc = mesh_node(cfg, i + 1)
             await svc.start()
             nodes.append(svc)
         started = time.perf_counter()

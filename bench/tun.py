@@ -1,7 +1,7 @@
 """TUN data path throughput: iperf3 between network namespaces through the mesh (root only).
 
     sudo .venv/bin/python bench/tun.py [--rounds 3] [--seconds 5] [--only NAMES] [--json FILE]
-                                       [--ab REF] [--loss PCT]
+                                       [--ab REF] [--loss PCT] [--baseline NAME]
 
 Topology (tests/system/tun_topology.py): A — B — C, every node with a TUN device;
 "1 hop" is A -> B's virtual IP, "2 hops" is A -> C's virtual IP relayed by B.
@@ -16,10 +16,19 @@ Variants, each in its own set of namespaces, alternating per round (bench/common
                   their paired ratio is the GSO gain. `meshgate-udp-reliable`: big
                   datagrams (super-packets, bundles) on the links' reliable channel
                   (`limits.udp_link_fragment_datagrams = false`) instead of in pieces.
+                  `meshgate-udp-gso60k`: meshgate-udp with every TUN device's gso_max_size
+                  set to 60000 once the nodes are up (`ip link set`, from this script; meshgate
+                  itself uses 32768 on a node with udp:// links and 60000 with tcp:// only), so
+                  the size of the super-packets that cross udp links in pieces is the one
+                  difference: with `--loss` it shows what the smaller size saves.
 * `easytier`      the EasyTier core (PyPI `easytier-pyo3`) in TUN mode, TCP links, same
                   addresses; its STUN lists point at loopback (the namespaces have no
                   way out anyway). Skipped if the package is missing. `easytier-udp`:
                   the same over its UDP links.
+
+`--baseline NAME` picks the variant the ratio columns are against (default: easytier if it
+runs, else kernel; meshgate-udp@REF with --ab), e.g. `--only meshgate-udp,meshgate-udp-nogso
+--baseline meshgate-udp-nogso` for the GSO gain as a paired ratio.
 
 A/B of a change: `--ab REF` adds `meshgate-udp@REF` (and `meshgate@REF`), meshgate as of
 git REF on the same links, alternating with the checkout in every round; the ratio
@@ -129,6 +138,7 @@ class Setup:
     limits: str = ""  # [limits] lines for every node's config
     tree: Path | None = None  # run meshgate from this extracted git REF (--ab), not the checkout
     loss: float = 0.0  # percent of link packets A and B drop on output (--loss)
+    gso_max: int = 0  # set the TUN devices' gso_max_size to this once up (0: meshgate's own)
     topo: Topology | None = None
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -162,6 +172,12 @@ class Setup:
                         "--loop", self.loop]
                 self.pids[role] = t.spawn(role, role, argv).pid
         t.wait_ping("a", MESH_DST["c"], timeout=30)
+        if self.gso_max:
+            for role in ("a", "b", "c"):
+                t.ip(role, "link", "set", "dev", "meshgate0", "gso_max_size", str(self.gso_max))
+                shown = t.ip(role, "-d", "link", "show", "dev", "meshgate0").stdout
+                if f"gso_max_size {self.gso_max} " not in shown:
+                    raise RuntimeError(f"{role}: gso_max_size not {self.gso_max}: {shown}")
         if self.loss:
             permille = round(self.loss * 10)
             rules = workdir / f"{self.name}-loss.nft"
@@ -228,6 +244,7 @@ def main() -> int:
     ap.add_argument("--ab", metavar="REF", help="also run meshgate as of git REF (rows NAME@REF)")
     ap.add_argument("--loss", type=float, default=0.0, metavar="PCT",
                     help="drop PCT%% of the link packets A and B send (udp rows then run without GSO)")
+    ap.add_argument("--baseline", metavar="NAME", help="the variant the ratio columns are against")
     ap.add_argument("--easytier-node", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.easytier_node:
@@ -237,6 +254,7 @@ def main() -> int:
                   Setup("meshgate-udp", mesh=True, links="udp"),
                   Setup("meshgate-udp-nogso", mesh=True, links="udp", limits=NOGSO),
                   Setup("meshgate-udp-reliable", mesh=True, links="udp", limits=RELIABLE),
+                  Setup("meshgate-udp-gso60k", mesh=True, links="udp", gso_max=60000),
                   Setup("easytier", mesh=True, easytier=True),
                   Setup("easytier-udp", mesh=True, easytier=True, links="udp")]
     workdir = Path(tempfile.mkdtemp(prefix="meshgate-bench-tun-"))
@@ -270,6 +288,8 @@ def main() -> int:
             baseline = "easytier" if "easytier" in names else "kernel" if "kernel" in names else None
             if args.ab and f"meshgate-udp@{args.ab}" in names:
                 baseline = f"meshgate-udp@{args.ab}"
+            if args.baseline:
+                baseline = args.baseline if args.baseline in names else None
             r = Runner(title, rounds=args.rounds, baseline=baseline)
             for s in live:
                 r.add(s.name, functools.partial(s.iperf, dst, udp, args.seconds))
