@@ -9,11 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from meshgate.config import Config
 from meshgate.errors import bind_error
 from meshgate.metrics import REGISTRY
-from meshgate.node import Node
+
+if TYPE_CHECKING:  # a node without the mesh does not load it
+    from meshgate.mesh.service import MeshService
 
 log = logging.getLogger("meshgate.admin")
 
@@ -33,13 +37,17 @@ def _response(code: int, reason: str, body: bytes, ctype: str) -> bytes:
 class AdminService:
     name = "admin"
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(
+        self, config: Config, node_status: Callable[[], dict[str, Any]], mesh: MeshService | None
+    ) -> None:
+        self.config = config
+        self.node_status = node_status
+        self.mesh = mesh
         self.server: asyncio.Server | None = None
         self._clients = 0
 
     async def start(self) -> None:
-        addr = self.node.config.admin.listen
+        addr = self.config.admin.listen
         try:
             self.server = await asyncio.start_server(self._handle, addr.host, addr.port, limit=_MAX_REQUEST)
         except OSError as e:
@@ -62,9 +70,9 @@ class AdminService:
         return {"listen": self.address if self.server else None}
 
     def _route(self, path: str) -> tuple[int, bytes, str]:
-        mesh = self.node.mesh
+        mesh = self.mesh
         if path == "/status":
-            return 200, json.dumps(self.node.status()).encode(), "application/json"
+            return 200, json.dumps(self.node_status()).encode(), "application/json"
         if path == "/metrics":
             return 200, REGISTRY.expose().encode(), "text/plain; version=0.0.4"
         if path == "/peers":
@@ -76,7 +84,7 @@ class AdminService:
         return 404, b'{"error": "not found"}', "application/json"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        limit = self.node.config.limits.admin_max_clients
+        limit = self.config.limits.admin_max_clients
         if self._clients >= limit:
             writer.close()
             return
@@ -104,9 +112,6 @@ class AdminService:
             self._clients -= 1
             writer.close()
 
-
-def build(node: Node) -> AdminService:
-    return AdminService(node)
 
 
 async def fetch(address: str, path: str, timeout: float = 5.0) -> tuple[int, bytes]:

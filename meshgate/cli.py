@@ -9,10 +9,13 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshgate import __version__, config, logs
 from meshgate.loop import new_loop
+
+if TYPE_CHECKING:  # `meshgate check-config` and the queries load no services
+    from meshgate.node import Node
 
 EXIT_OK, EXIT_CONFIG, EXIT_STARTUP = 0, 1, 2
 
@@ -104,7 +107,7 @@ async def _serve(cfg: config.Config) -> int:
     return EXIT_OK
 
 
-def _print_banner(node: Any) -> None:
+def _print_banner(node: Node) -> None:
     cfg = node.config
     lines = [f"meshgate {__version__}: node {cfg.node.name!r} on network {cfg.node.network!r}"]
     for name, st in node.status()["services"].items():

@@ -1,21 +1,44 @@
-"""A node: the services one config asks for, started and stopped in order.
+"""A node: the composition root, the one module that knows every package.
 
-Each component package exposes `build(node) -> Service`. The node owns the
-shared pieces components reach each other through: `mesh` (routes, streams),
-`resolver` (the DNS pipeline; the gateway's bootstrap lookups go through it)
-and `dialer` (where a SOCKS destination goes).
+`Node(config)` builds what the config asks for, in order, and hands each
+component what it needs in its constructor; no component reaches back into
+the node. The seams:
+
+- the DNS pipeline (`resolver`), which the gateway's and the exit's name
+  lookups go through, asking the mesh for its name table and for a way to
+  reach an upstream at another node's address;
+- the egress connector (egress/connect.py): the policy-checked connect the
+  mesh serves the streams that end here with, and the portal uses when this
+  node is itself where a destination leaves;
+- the mesh (`mesh`), handed that connector;
+- one dialer (`dialer`): a MeshDialer on a mesh node, else a local Dialer;
+- the services: mesh, DNS, SOCKS5 portal, TUN, admin, started in that order
+  and stopped in reverse.
+
+Packages are imported where they are built, not at the top: a portal-only
+node never loads the DNS client stack (aioquic, h2, pyOpenSSL), a node without
+the mesh never loads the Noise/link code (resident memory, docs/OPERATIONS.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from meshgate import __version__
+from meshgate.buffers import BufferPool
 from meshgate.config import Config
+from meshgate.egress.dialer import Dialer, OnDatagram, UdpEgress
 from meshgate.memory import Trimmer
+
+if TYPE_CHECKING:
+    from meshgate.dns.resolver import Pipeline
+    from meshgate.dns.upstream import Dial
+    from meshgate.gateway.mesh_udp import UdpHub
+    from meshgate.mesh.service import MeshService
 
 log = logging.getLogger("meshgate.node")
 
@@ -35,58 +58,84 @@ class Node:
         self.config = config
         self.started_at = time.time()
         self.services: list[Service] = []
-        self.mesh: Any = None  # meshgate.mesh.service.MeshService when the mesh is on
-        self.resolver: Any = None  # meshgate.dns.resolver pipeline when DNS is on
-        self.dialer: Any = None  # meshgate.gateway.dialer.Dialer
         self.trimmer = Trimmer(config.limits.memory_trim_interval)
-        self.udp_hub: Any = None  # meshgate.mesh.udp_relay.UdpHub on mesh nodes
+        self.mesh: MeshService | None = None
+        self.resolver: Pipeline | None = None
+        self.dialer: Dialer | None = None
+        # SOCKS UDP over the mesh, both sides: made once the mesh runs (it needs the loop)
+        self.udp_hub: UdpHub | None = None
         self._stopped = asyncio.Event()
 
     def _plan(self) -> list[Service]:
         cfg = self.config
+        limits = cfg.limits
+        mesh_on = bool(cfg.mesh.listen or cfg.mesh.peers or cfg.node.ipv4 or cfg.node.ipv6)
         plan: list[Service] = []
-        if cfg.mesh.listen or cfg.mesh.peers or cfg.node.ipv4 or cfg.node.ipv6:
-            from meshgate.mesh import exit as mesh_exit
-            from meshgate.mesh import service as mesh_service
-
-            self.mesh = mesh_service.build(self)
-            # Streams arriving from the mesh leave through the exit/CIDR policy.
-            self.mesh.egress_connect = mesh_exit.connector(self)
-            plan.append(self.mesh)
         if cfg.dns.listeners or cfg.dns.upstreams or cfg.dns.records:
-            from meshgate.dns import service as dns_service
+            from meshgate.dns.resolver import Pipeline
 
-            plan.append(dns_service.build(self))
+            self.resolver = Pipeline(
+                cfg,
+                names=self._mesh_names if mesh_on else None,
+                upstream_route=self._upstream_route if mesh_on else None,
+            )
+        dial_kw: dict[str, Any] = {
+            "connect_timeout": limits.socks5_connect_timeout,
+            "resolver": self.resolver,
+            "write_high_water": limits.socks5_write_high_water,
+        }
+        if mesh_on:
+            from meshgate.egress.connect import connector
+            from meshgate.egress.mesh_dialer import MeshDialer
+            from meshgate.mesh.service import MeshService
+
+            # names resolve where traffic leaves: through this node's pipeline, else the host's
+            egress = connector(cfg, Dialer(resolver=self.resolver).resolve)
+            self.mesh = MeshService(cfg, egress=egress)
+            self.dialer = MeshDialer(cfg, self.mesh, egress, self._open_mesh_udp, **dial_kw)
+            plan.append(self.mesh)
+        else:
+            self.dialer = Dialer(**dial_kw)
+        if self.resolver is not None:
+            from meshgate.dns.service import DnsService
+
+            plan.append(DnsService(cfg, self.resolver))
         if cfg.socks5.enable:
-            from meshgate.gateway import service as gateway_service
+            from meshgate.gateway.service import Socks5Service
 
-            plan.append(gateway_service.build(self))
+            plan.append(Socks5Service(cfg, self.dialer))
         if cfg.tun.enable:
-            from meshgate.mesh import tun
+            from meshgate.mesh.tun import TunService
 
-            plan.append(tun.build(self))
+            plan.append(TunService(cfg, self.mesh))
         if cfg.admin.enable:
-            from meshgate import admin
+            from meshgate.admin import AdminService
 
-            plan.append(admin.build(self))
-        if self.mesh is not None:
-            self._wire_mesh()
+            plan.append(AdminService(cfg, self.status, self.mesh))
         return plan
 
-    def _wire_mesh(self) -> None:
-        """Give mesh-aware routing to what was built without a portal: a node
-        with no SOCKS5 portal still resolves through upstreams on other nodes."""
-        from meshgate.gateway.mesh_dialer import MeshDialer
+    # --- what the components ask the node for, late-bound because each needs the other
 
-        if self.dialer is None:
-            self.dialer = MeshDialer.for_node(self)
-        if self.resolver is None:
-            return  # a portal-only node: keep the DNS client stack (aioquic, h2, OpenSSL) unloaded
-        from meshgate.dns.upstream import TcpUpstream
+    def _mesh_names(self) -> dict[str, tuple[Any, Any]]:
+        assert self.mesh is not None  # given to the pipeline only on mesh nodes
+        return self.mesh.name_table()
 
-        for up in getattr(self.resolver, "upstreams", []):
-            if isinstance(up, TcpUpstream):
-                up.node = self
+    def _upstream_route(self, host: str) -> Dial | None:
+        """A DNS upstream at an address the mesh routes (a resolver on another node's
+        virtual IP or behind its proxy CIDR) is reached over a mesh stream."""
+        if self.mesh is None or self.dialer is None:
+            return None
+        try:
+            route = self.mesh.lookup(ipaddress.ip_address(host))
+        except ValueError:
+            return None
+        return self.dialer.connect if route is not None else None
+
+    async def _open_mesh_udp(self, on_datagram: OnDatagram, pool: BufferPool) -> UdpEgress:
+        assert self.udp_hub is not None  # made when the mesh started, before the portal
+        return await self.udp_hub.open_portal(on_datagram, pool, self.config.mesh.direct_fallback)
+
+    # --- lifecycle
 
     async def start(self) -> None:
         self.trimmer.start()
@@ -100,9 +149,9 @@ class Node:
             log.debug("started %s", svc.name)
             if svc is self.mesh:
                 # Every mesh node can be where SOCKS UDP leaves the mesh.
-                from meshgate.mesh.udp_relay import UdpHub
+                from meshgate.gateway.mesh_udp import UdpHub
 
-                UdpHub.for_node(self)
+                self.udp_hub = UdpHub(self.config, self.mesh)
 
     async def stop(self) -> None:
         self.trimmer.stop()

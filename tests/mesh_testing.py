@@ -1,4 +1,8 @@
-"""Helpers to run several mesh nodes in one process (tests and bench/mesh.py)."""
+"""Helpers to run several mesh nodes in one process (tests and bench/mesh.py).
+
+Nodes made here serve streams with `local_connect`: anything on this host,
+no exit policy (the policy is tested through the node, tests/integration/test_portal_mesh.py).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 from meshgate.config import Config, LimitsConfig, from_dict
+from meshgate.egress.connect import local_connect
 from meshgate.mesh.service import MeshService
 
 _ring_ids = itertools.count(1)
@@ -39,8 +44,14 @@ def node_config(
     return from_dict(raw)
 
 
+def mesh_node(cfg: Config, node_id: int) -> MeshService:
+    """A MeshService whose streams leave from this host (its own virtual IPs mean loopback)."""
+    own = {str(i.ip) for i in (cfg.node.ipv4, cfg.node.ipv6) if i is not None}
+    return MeshService(cfg, node_id=node_id, egress=local_connect(own, cfg.limits.socks5_connect_timeout))
+
+
 async def start_node(cfg: Config, node_id: int) -> MeshService:
-    svc = MeshService(cfg, node_id=node_id)
+    svc = mesh_node(cfg, node_id)
     await svc.start()
     return svc
 

@@ -1,4 +1,4 @@
-"""Where a SOCKS destination goes: the one seam between the portal and egress.
+"""Connect from this host: the one seam between a portal and where traffic leaves.
 
 `Dialer.connect(host, port, protocol_factory)` returns a connected
 (transport, protocol, bound address). The relay in `server.py` talks to the
@@ -22,31 +22,19 @@ import errno
 import ipaddress
 import logging
 import socket
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
+from meshgate import replies
 from meshgate.buffers import Buffer, BufferPool
-from meshgate.gateway import socks5
 from meshgate.metrics import REGISTRY
 from meshgate.policy import parse_ip
 
-log = logging.getLogger("meshgate.gateway.dialer")
+log = logging.getLogger("meshgate.egress.dialer")
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Policy = Callable[[IPAddress, int], bool]
 OnDatagram = Callable[[Buffer, tuple[str, int]], None]
-
-_ERRNO_REPLY = {
-    errno.ECONNREFUSED: socks5.REP_CONNECTION_REFUSED,
-    errno.ENETUNREACH: socks5.REP_NETWORK_UNREACHABLE,
-    errno.ENETDOWN: socks5.REP_NETWORK_UNREACHABLE,
-    errno.EHOSTUNREACH: socks5.REP_HOST_UNREACHABLE,
-    errno.EHOSTDOWN: socks5.REP_HOST_UNREACHABLE,
-    errno.ETIMEDOUT: socks5.REP_TTL_EXPIRED,
-    errno.EADDRNOTAVAIL: socks5.REP_HOST_UNREACHABLE,
-    errno.EACCES: socks5.REP_NOT_ALLOWED,
-    errno.EPERM: socks5.REP_NOT_ALLOWED,
-}
 
 # RFC 8305's recommended "Connection Attempt Delay".
 HAPPY_EYEBALLS_DELAY = 0.25
@@ -57,22 +45,30 @@ _udp_send_dropped = REGISTRY.counter(
 )
 
 
-class DialError(Exception):
+class DialError(replies.ReplyError):
     """Could not reach a destination; `reply` is the SOCKS reply code to send."""
 
-    def __init__(self, reply: int, message: str) -> None:
-        super().__init__(message)
-        self.reply = reply
+    @property
+    def reply(self) -> int:
+        return self.code
 
 
-def reply_for(exc: BaseException) -> int:
-    if isinstance(exc, TimeoutError):
-        return socks5.REP_TTL_EXPIRED
-    if isinstance(exc, socket.gaierror):
-        return socks5.REP_HOST_UNREACHABLE
-    if isinstance(exc, OSError) and exc.errno is not None:
-        return _ERRNO_REPLY.get(exc.errno, socks5.REP_GENERAL_FAILURE)
-    return socks5.REP_GENERAL_FAILURE
+class UdpEgress(Protocol):
+    """Where one UDP association's datagrams go (LocalUdpEgress, or the portal's mesh UDP)."""
+
+    def sendto(self, data: bytes | memoryview, sockaddr: tuple[str, int], family: int) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+UdpOpener = Callable[[OnDatagram, BufferPool], Awaitable[UdpEgress]]
+
+
+class HostResolver(Protocol):
+    """What the dialer resolves names through: the node's DNS pipeline."""
+
+    def resolve_host(self, name: str) -> Awaitable[list[str]]: ...
+
 
 
 def _is_ip_literal(host: str) -> bool:
@@ -95,7 +91,7 @@ class Dialer:
     def __init__(
         self,
         connect_timeout: float = 10.0,
-        resolver: Any = None,
+        resolver: HostResolver | None = None,
         policy: Policy | None = None,
         write_high_water: int = 1 << 20,
     ) -> None:
@@ -104,33 +100,23 @@ class Dialer:
         self.policy = policy
         self.write_high_water = write_high_water
 
-    @classmethod
-    def for_node(cls, node: Any) -> Dialer:
-        limits = node.config.limits
-        return cls(
-            connect_timeout=limits.socks5_connect_timeout,
-            resolver=node.resolver,
-            write_high_water=limits.socks5_write_high_water,
-        )
-
     async def resolve(self, host: str, port: int) -> list[IPAddress]:
         """Addresses for `host` in the order to try them; DialError(0x04) if none."""
         ip = parse_ip(host)
         if ip is not None:
             return [ip]
-        resolve_host = getattr(self.resolver, "resolve_host", None)
         try:
-            if resolve_host is not None:
-                found = await resolve_host(host)
+            if self.resolver is not None:
+                found = await self.resolver.resolve_host(host)
                 addrs = [a if not isinstance(a, str) else ipaddress.ip_address(a) for a in found]
             else:
                 loop = asyncio.get_running_loop()
                 infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
                 addrs = list(dict.fromkeys(ipaddress.ip_address(i[4][0]) for i in infos))
         except (OSError, ValueError) as e:
-            raise DialError(socks5.REP_HOST_UNREACHABLE, f"cannot resolve {host!r}: {e}") from None
+            raise DialError(replies.HOST_UNREACHABLE, f"cannot resolve {host!r}: {e}") from None
         if not addrs:
-            raise DialError(socks5.REP_HOST_UNREACHABLE, f"no address for {host!r}")
+            raise DialError(replies.HOST_UNREACHABLE, f"no address for {host!r}")
         return addrs
 
     def _allowed(self, ip: IPAddress, port: int) -> bool:
@@ -145,7 +131,7 @@ class Dialer:
                 return await self._connect(host, port, protocol_factory)
         except TimeoutError:
             raise DialError(
-                socks5.REP_TTL_EXPIRED, f"connect to {host}:{port} timed out after {self.connect_timeout}s"
+                replies.TTL_EXPIRED, f"connect to {host}:{port} timed out after {self.connect_timeout}s"
             ) from None
 
     async def _connect(
@@ -160,7 +146,7 @@ class Dialer:
             addrs = await self.resolve(host, port)
             allowed = [a for a in addrs if self._allowed(a, port)]
             if not allowed:
-                raise DialError(socks5.REP_NOT_ALLOWED, f"{host}:{port} is not allowed by the egress rules")
+                raise DialError(replies.NOT_ALLOWED, f"{host}:{port} is not allowed by the egress rules")
         loop = asyncio.get_running_loop()
         try:
             if len(allowed) == 1:
@@ -170,7 +156,7 @@ class Dialer:
                 transport, protocol = await loop.create_connection(protocol_factory, sock=sock)
         except OSError as e:
             reason = e.strerror or str(e)
-            raise DialError(reply_for(e), f"connect to {host}:{port} failed: {reason}") from None
+            raise DialError(replies.for_exception(e), f"connect to {host}:{port} failed: {reason}") from None
         sock_name = transport.get_extra_info("sockname")
         bound = (str(sock_name[0]), int(sock_name[1])) if sock_name else ("0.0.0.0", 0)
         return transport, protocol, bound  # type: ignore[return-value]
@@ -231,11 +217,12 @@ class Dialer:
             return winner
         # Report the most telling failure: anything beats "unreachable", which an
         # address family without routes produces for every name.
-        unreachable = (socks5.REP_NETWORK_UNREACHABLE, socks5.REP_HOST_UNREACHABLE)
-        best = next((e for e in errors if reply_for(e) not in unreachable), errors[0] if errors else None)
+        unreachable = (replies.NETWORK_UNREACHABLE, replies.HOST_UNREACHABLE)
+        telling = (e for e in errors if replies.for_exception(e) not in unreachable)
+        best = next(telling, errors[0] if errors else None)
         raise best if best is not None else OSError(errno.EHOSTUNREACH, "no address to try")
 
-    async def open_udp(self, on_datagram: OnDatagram, pool: BufferPool) -> LocalUdpEgress:
+    async def open_udp(self, on_datagram: OnDatagram, pool: BufferPool) -> UdpEgress:
         """An egress for one UDP association: replies land in pooled buffers
         (payload at the headroom, so the SOCKS header is prepended in place)."""
         return LocalUdpEgress(asyncio.get_running_loop(), on_datagram, pool)

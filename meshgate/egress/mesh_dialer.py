@@ -20,19 +20,19 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
+from meshgate import replies
 from meshgate.buffers import BufferPool
-from meshgate.gateway import socks5
-from meshgate.gateway.dialer import Dialer, DialError, OnDatagram
-from meshgate.mesh.exit import ExitRules, connector
+from meshgate.config import Config
+from meshgate.egress.dialer import Dialer, DialError, OnDatagram, UdpEgress, UdpOpener
+from meshgate.egress.rules import ExitRules
 from meshgate.mesh.routing import Route
+from meshgate.mesh.service import MeshService
+from meshgate.mesh.splice import EgressConnect
 from meshgate.mesh.streams import StreamError
 from meshgate.metrics import REGISTRY
 from meshgate.policy import IPAddress, in_any
-
-if TYPE_CHECKING:
-    from meshgate.mesh.udp_relay import PortalUdp
 
 _routed = REGISTRY.counter(
     "meshgate_socks5_routed_total", "SOCKS5 CONNECT destinations by where they leave", ("via",)
@@ -44,26 +44,18 @@ _PROBE_V4 = ipaddress.IPv4Address("1.1.1.1")
 
 
 class MeshDialer(Dialer):
-    def __init__(self, node: Any, **kw: Any) -> None:
+    def __init__(
+        self, config: Config, mesh: MeshService, egress: EgressConnect, open_udp: UdpOpener, **kw: Any
+    ) -> None:
         super().__init__(**kw)
-        self.node = node
-        self.mesh = node.mesh
-        cfg = node.config
-        self.zone = cfg.dns.zone.rstrip(".")
-        self.records = {name.rstrip("."): ipaddress.ip_address(a) for name, a in cfg.dns.records}
-        self.direct_fallback = cfg.mesh.direct_fallback
-        self.egress = connector(node, kw.get("connect_timeout"))
-        self.rules = ExitRules(cfg)
-
-    @classmethod
-    def for_node(cls, node: Any) -> MeshDialer:
-        limits = node.config.limits
-        return cls(
-            node,
-            connect_timeout=limits.socks5_connect_timeout,
-            resolver=node.resolver,
-            write_high_water=limits.socks5_write_high_water,
-        )
+        self.mesh = mesh
+        self.zone = config.dns.zone.rstrip(".")
+        self.records = {name.rstrip("."): ipaddress.ip_address(a) for name, a in config.dns.records}
+        self.direct_fallback = config.mesh.direct_fallback
+        # this node's own egress (the connector the mesh has), for routes that end here
+        self.egress = egress
+        self._open_udp = open_udp
+        self.rules = ExitRules(config)
 
     def mesh_name(self, host: str) -> IPAddress | None:
         """Address for a mesh or static name; DialError(0x04) for an unknown name in the zone."""
@@ -74,11 +66,11 @@ class MeshDialer(Dialer):
             label = name[: -len(self.zone) - 1]
             entry = self.mesh.name_table().get(label)
             if entry is None:
-                raise DialError(socks5.REP_HOST_UNREACHABLE, f"no node named {label!r} in {self.zone}")
+                raise DialError(replies.HOST_UNREACHABLE, f"no node named {label!r} in {self.zone}")
             v4, v6 = entry
             ip: IPAddress | None = v4 or v6
             if ip is None:
-                raise DialError(socks5.REP_HOST_UNREACHABLE, f"node {label!r} has no virtual IP")
+                raise DialError(replies.HOST_UNREACHABLE, f"node {label!r} has no virtual IP")
             return ip
         return None
 
@@ -98,11 +90,10 @@ class MeshDialer(Dialer):
             route = self.mesh.lookup(_PROBE_V4)
         return route
 
-    async def open_udp(self, on_datagram: OnDatagram, pool: BufferPool) -> PortalUdp:  # type: ignore[override]
-        """UDP ASSOCIATE: datagrams ride mesh datagrams to the node where they leave."""
-        from meshgate.mesh.udp_relay import PortalUdp, UdpHub
-
-        return PortalUdp(UdpHub.for_node(self.node), on_datagram, pool, direct=self.direct_fallback)
+    async def open_udp(self, on_datagram: OnDatagram, pool: BufferPool) -> UdpEgress:
+        """UDP ASSOCIATE: datagrams ride mesh datagrams to the node where they leave
+        (the portal's mesh UDP, gateway/mesh_udp.py, handed in by the node)."""
+        return await self._open_udp(on_datagram, pool)
 
     async def _connect(
         self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
@@ -121,7 +112,7 @@ class MeshDialer(Dialer):
                 _routed.labels("direct").inc()
                 return await super()._connect(host, port, protocol_factory)
             _routed.labels("unreachable").inc()
-            raise DialError(socks5.REP_NETWORK_UNREACHABLE, f"no mesh route to {host} and no exit node")
+            raise DialError(replies.NETWORK_UNREACHABLE, f"no mesh route to {host} and no exit node")
         try:
             if route.node_id == self.mesh.node_id:
                 _routed.labels("self").inc()

@@ -30,17 +30,18 @@ import itertools
 import logging
 import struct
 from collections.abc import Callable
-from typing import Any
 
 from meshgate.buffers import Buffer, BufferPool
-from meshgate.gateway.dialer import LocalUdpEgress
+from meshgate.config import Config
+from meshgate.egress.dialer import LocalUdpEgress
+from meshgate.egress.rules import ExitRules
 from meshgate.logs import RateLimitedLog
 from meshgate.mesh import channels
-from meshgate.mesh.exit import ExitRules
+from meshgate.mesh.service import MeshService
 from meshgate.metrics import REGISTRY
 from meshgate.policy import in_any
 
-log = logging.getLogger("meshgate.mesh.udp")
+log = logging.getLogger("meshgate.mesh.udp")  # the logger name operators filter on
 _rlog = RateLimitedLog(log)
 
 UDP_CHANNEL = channels.SOCKS_UDP  # portal -> egress
@@ -208,12 +209,11 @@ class _EgressAssoc:
 class UdpHub:
     """Both sides on one node: registered on the mesh's two UDP channels."""
 
-    def __init__(self, node: Any) -> None:
-        self.node = node
-        self.mesh = node.mesh
-        limits = node.config.limits
+    def __init__(self, config: Config, mesh: MeshService) -> None:
+        self.mesh = mesh
+        limits = config.limits
         self.loop: asyncio.AbstractEventLoop = asyncio.get_running_loop()
-        self.rules = ExitRules(node.config)
+        self.rules = ExitRules(config)
         self.idle = limits.socks5_udp_idle_timeout
         self.max_assocs = limits.mesh_udp_max_associations
         self.max_targets = limits.socks5_udp_max_targets
@@ -225,13 +225,9 @@ class UdpHub:
         self.mesh.on_datagram(UDP_REPLY_CHANNEL, self._from_egress)
         self._expiry = self.loop.call_later(max(0.05, self.idle / 2), self._expire)
 
-    @classmethod
-    def for_node(cls, node: Any) -> UdpHub:
-        hub = node.udp_hub
-        if hub is None:
-            hub = node.udp_hub = cls(node)
-        assert isinstance(hub, UdpHub)
-        return hub
+    async def open_portal(self, on_datagram: OnDatagram, pool: BufferPool, direct: bool) -> PortalUdp:
+        """One UDP association's egress at the portal (what the mesh dialer's open_udp returns)."""
+        return PortalUdp(self, on_datagram, pool, direct)
 
     # portal -> egress
     def _from_portal(self, src: int, data: bytes) -> None:

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 from meshgate.buffers import BufferPool
 from meshgate.config import Config
+from meshgate.egress.dialer import DialError
 from meshgate.gateway import socks5
-from meshgate.gateway.dialer import DialError
+from meshgate.gateway.udp import UdpAssociation
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY, LocalCounter
 
 if TYPE_CHECKING:
-    from meshgate.gateway.dialer import Dialer
-    from meshgate.gateway.udp import UdpAssociation
+    from meshgate.egress.dialer import Dialer
 
 log = logging.getLogger("meshgate.gateway")
 rlog = RateLimitedLog(log)
@@ -386,8 +386,6 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self._timer = self.loop.call_later(self.server.limits.socks5_idle_timeout, self._idle_check)
 
     async def _associate(self, request: socks5.Request) -> None:
-        from meshgate.gateway.udp import UdpAssociation
-
         assert self.transport is not None
         try:
             assoc = await UdpAssociation.open(self, request)

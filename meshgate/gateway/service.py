@@ -1,16 +1,15 @@
-"""The SOCKS5 portal as a node service: `build(node) -> Service` named "socks5"."""
+"""The SOCKS5 portal as a node service named "socks5", handed its dialer by the node."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from meshgate.buffers import BufferPool
-from meshgate.config import HostPort
+from meshgate.config import Config, HostPort
+from meshgate.egress.dialer import Dialer
 from meshgate.errors import bind_error
-from meshgate.gateway.dialer import Dialer
 from meshgate.gateway.server import Socks5Server
 from meshgate.gateway.socks5 import MAX_UDP_HEADER
-from meshgate.node import Node
 
 # A pooled buffer holds the largest UDP payload behind room for the largest
 # SOCKS UDP header, so replies get their header prepended in place.
@@ -20,24 +19,18 @@ _UDP_BUFFER = 65536
 class Socks5Service:
     name = "socks5"
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        cfg = node.config
-        if node.dialer is None:
-            if node.mesh is not None:
-                from meshgate.gateway.mesh_dialer import MeshDialer
-
-                node.dialer = MeshDialer.for_node(node)
-            else:
-                node.dialer = Dialer.for_node(node)
+    def __init__(self, config: Config, dialer: Dialer) -> None:
+        self.config = config
+        self.dialer = dialer
+        cfg = config
         self.pool = BufferPool(
             capacity=_UDP_BUFFER, headroom=MAX_UDP_HEADER, max_free=min(cfg.limits.buffer_pool_size, 64)
         )
         self.server: Socks5Server | None = None
 
     async def start(self) -> None:
-        addr = self.node.config.socks5.listen
-        self.server = Socks5Server(self.node.config, self.node.dialer, self.pool)
+        addr = self.config.socks5.listen
+        self.server = Socks5Server(self.config, self.dialer, self.pool)
         try:
             await self.server.start(addr.host, addr.port)
         except OSError as e:
@@ -58,7 +51,7 @@ class Socks5Service:
 
     def status(self) -> dict[str, Any]:
         addr = self.address
-        cfg = self.node.config.socks5
+        cfg = self.config.socks5
         out: dict[str, Any] = {
             "listen": str(addr) if addr else None,
             "clients": len(self.server.clients) if self.server else 0,
@@ -74,6 +67,3 @@ class Socks5Service:
             ]
         return out
 
-
-def build(node: Node) -> Socks5Service:
-    return Socks5Service(node)

@@ -22,6 +22,8 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from meshgate import replies
+
 VERSION = 5
 
 # Methods (RFC 1928 section 3).
@@ -39,28 +41,18 @@ ATYP_IPV4 = 0x01
 ATYP_DOMAIN = 0x03
 ATYP_IPV6 = 0x04
 
-# Reply codes (RFC 1928 section 6).
-REP_SUCCEEDED = 0x00
-REP_GENERAL_FAILURE = 0x01
-REP_NOT_ALLOWED = 0x02
-REP_NETWORK_UNREACHABLE = 0x03
-REP_HOST_UNREACHABLE = 0x04
-REP_CONNECTION_REFUSED = 0x05
-REP_TTL_EXPIRED = 0x06
-REP_COMMAND_NOT_SUPPORTED = 0x07
-REP_ATYP_NOT_SUPPORTED = 0x08
-
-REPLY_NAMES = {
-    REP_SUCCEEDED: "succeeded",
-    REP_GENERAL_FAILURE: "general_failure",
-    REP_NOT_ALLOWED: "not_allowed",
-    REP_NETWORK_UNREACHABLE: "network_unreachable",
-    REP_HOST_UNREACHABLE: "host_unreachable",
-    REP_CONNECTION_REFUSED: "connection_refused",
-    REP_TTL_EXPIRED: "ttl_expired",
-    REP_COMMAND_NOT_SUPPORTED: "command_not_supported",
-    REP_ATYP_NOT_SUPPORTED: "address_type_not_supported",
-}
+# Reply codes (RFC 1928 section 6): the one table is meshgate/replies.py; the
+# REP_ names are the protocol's own spelling of it.
+REP_SUCCEEDED = replies.SUCCEEDED
+REP_GENERAL_FAILURE = replies.GENERAL_FAILURE
+REP_NOT_ALLOWED = replies.NOT_ALLOWED
+REP_NETWORK_UNREACHABLE = replies.NETWORK_UNREACHABLE
+REP_HOST_UNREACHABLE = replies.HOST_UNREACHABLE
+REP_CONNECTION_REFUSED = replies.REFUSED
+REP_TTL_EXPIRED = replies.TTL_EXPIRED
+REP_COMMAND_NOT_SUPPORTED = replies.COMMAND_NOT_SUPPORTED
+REP_ATYP_NOT_SUPPORTED = replies.ATYP_NOT_SUPPORTED
+REPLY_NAMES = replies.NAMES
 
 # RFC 1929 sub-negotiation.
 USERPASS_VERSION = 0x01

@@ -20,17 +20,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import socket
 from typing import TYPE_CHECKING
 
 from meshgate.buffers import Buffer
+from meshgate.egress.dialer import DialError, UdpEgress
 from meshgate.gateway import socks5
-from meshgate.gateway.dialer import DialError, LocalUdpEgress
 from meshgate.gateway.nat import NatTable, TargetKey
+from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY
 
 if TYPE_CHECKING:
     from meshgate.gateway.server import ClientProtocol
+
+# the portal's logger (gateway/server.py logs under the same name)
+rlog = RateLimitedLog(logging.getLogger("meshgate.gateway"))
 
 ASSOCIATIONS = REGISTRY.gauge("meshgate_socks5_udp_associations", "UDP associations open now")
 DATAGRAMS = REGISTRY.counter(
@@ -62,8 +67,6 @@ class UdpAssociation:
     def __init__(
         self, client: ClientProtocol, sock: socket.socket, expected_ip: str, expected_port: int
     ) -> None:
-        from meshgate.gateway.server import rlog
-
         self.client = client
         self.loop = client.loop
         self.server = client.server
@@ -76,7 +79,7 @@ class UdpAssociation:
         self.expected_port = expected_port  # 0: pinned by the first datagram
         self.client_addr: tuple[str, int] | None = None
         self.nat = NatTable(limits.socks5_udp_max_targets, limits.socks5_udp_idle_timeout)
-        self.egress: LocalUdpEgress | None = None
+        self.egress: UdpEgress | None = None
         self._resolving: dict[TargetKey, list[tuple[Buffer, int]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._activity = False

@@ -1,7 +1,8 @@
 """MeshService: links + routing + streams + datagrams, as the rest of meshgate sees them.
 
-`build(node)` makes the service (name "mesh"). The gateway, DNS and admin
-code use: `node_id`, `lookup(ip)`, `open_stream(...)`, `egress_connect`,
+The node builds it with the egress connect for streams that end here
+(`MeshService(config, egress=...)`). The gateway, DNS and admin code use:
+`node_id`, `lookup(ip)`, `open_stream(...)`, `egress_connect`,
 `send_datagram` / `on_datagram`, `name_table()`, `peers()`, `routes()`,
 `status()`.
 """
@@ -10,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import functools
 import ipaddress
 import logging
 import os
@@ -22,10 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from meshgate.config import Config, LinkUrl
+from meshgate import replies
+from meshgate.config import Config, LimitsConfig, LinkUrl
+from meshgate.errors import StartupError, bind_error
 from meshgate.logs import RateLimitedLog
-from meshgate.mesh import link_ring, link_tcp
-from meshgate.mesh.egress import EgressConnect, SplicePipe, error_code, local_connector
 from meshgate.mesh.frames import (
     DATAGRAM,
     DEFAULT_HOP_LIMIT,
@@ -43,6 +42,7 @@ from meshgate.mesh.frames import (
     Hello,
     derive_psk,
 )
+from meshgate.mesh.link_kinds import LINK_KINDS, Listening
 from meshgate.mesh.links import Link, LinkBase
 from meshgate.mesh.routing import (
     Record,
@@ -53,16 +53,10 @@ from meshgate.mesh.routing import (
     encode_acks,
     encode_records,
 )
-from meshgate.mesh.streams import (
-    GENERAL_FAILURE,
-    NETWORK_UNREACHABLE,
-    RESET,
-    TTL_EXPIRED,
-    MeshStream,
-    StreamError,
-    StreamMux,
-)
+from meshgate.mesh.splice import EgressConnect, SplicePipe
+from meshgate.mesh.streams import RESET, MeshStream, StreamError, StreamMux
 from meshgate.metrics import REGISTRY
+from meshgate.replies import GENERAL_FAILURE, NETWORK_UNREACHABLE, NOT_ALLOWED, TTL_EXPIRED
 
 if TYPE_CHECKING:
     from meshgate.mesh import link_udp
@@ -110,7 +104,9 @@ def load_node_id(state_dir: Path) -> int:
 class MeshService:
     name = "mesh"
 
-    def __init__(self, config: Config, node_id: int | None = None) -> None:
+    def __init__(
+        self, config: Config, node_id: int | None = None, egress: EgressConnect | None = None
+    ) -> None:
         self.config = config
         limits = config.limits
         self.node_id = node_id if node_id is not None else load_node_id(config.state_path)
@@ -139,16 +135,14 @@ class MeshService:
             local, max_records=limits.route_records, expiry=limits.mesh_route_expiry,
             exit_nodes=config.mesh.exit_nodes,
         )
-        own_ips = {str(i.ip) for i in (config.node.ipv4, config.node.ipv6) if i is not None}
-        self.egress_connect: EgressConnect = local_connector(own_ips, limits.socks5_connect_timeout)
+        # Streams that end here leave through `egress` (the node hands in the
+        # policy-checked connector); a mesh without one serves no streams.
+        self.egress_connect: EgressConnect = egress or _refuse_streams
         self.mux: StreamMux | None = None
         self.links: dict[int, list[LinkBase]] = {}  # neighbour id -> established links
         self.pending: set[LinkBase] = set()  # links still in their handshake
         self._datagram_handlers: dict[int, DatagramCallback] = {}
-        self._servers: list[asyncio.Server] = []
-        self._quic_servers: list[Any] = []
-        self._udp_listeners: list[Any] = []
-        self._rings: list[tuple[str, Callable[[], asyncio.Protocol]]] = []
+        self._listening: list[Listening] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tick_handle: asyncio.TimerHandle | None = None
         self._sync_scheduled = False
@@ -164,69 +158,27 @@ class MeshService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        from meshgate.errors import bind_error
-
         self.loop = asyncio.get_running_loop()
         limits = self.config.limits
         self.mux = StreamMux(self.loop, self.send, limits.stream_window, limits.max_streams_per_peer)
         self.mux.on_open = self._on_open
         urls = (*self.config.mesh.listen, *self.config.mesh.peers)
         if any(u.scheme == "udp" for u in urls) and limits.udp_link_mtu < 576:
-            from meshgate.errors import StartupError
-
             mtu = limits.udp_link_mtu
             raise StartupError(f"limits.udp_link_mtu: at least 576 for udp:// links, not {mtu}")
         if any(u.scheme == "udp" for u in urls) and limits.udp_link_reassembly_bytes < 1 << 17:
-            from meshgate.errors import StartupError
-
             # room for one datagram of the largest size (64 KiB) with what its pieces cost
             n = limits.udp_link_reassembly_bytes
             raise StartupError(f"limits.udp_link_reassembly_bytes: at least 131072 for udp:// links, not {n}")
         self._running = True
         for url in self.config.mesh.listen:
-            if url.scheme == "tcp":
-                try:
-                    server = await link_tcp.listen(url.host, url.port, functools.partial(self._accept, url))
-                except OSError as e:
-                    await self.stop()
-                    raise bind_error("mesh.listen", str(url), e) from None
-                self._servers.append(server)
-                for sock in server.sockets:
-                    host, port = sock.getsockname()[:2]
-                    self.listen_addrs.append(str(LinkUrl("tcp", host, port)))
-            elif url.scheme == "ring":
-                factory = functools.partial(self._accept, url)
-                try:
-                    link_ring.listen(url.host, factory)
-                except OSError as e:
-                    await self.stop()
-                    raise bind_error("mesh.listen", str(url), e) from None
-                self._rings.append((url.host, factory))
-                self.listen_addrs.append(str(url))
-            elif url.scheme == "quic":
-                from meshgate.mesh import link_quic
-
-                try:
-                    qserver = await link_quic.listen(url.host, url.port, functools.partial(self._accept, url))
-                except OSError as e:
-                    await self.stop()
-                    raise bind_error("mesh.listen", str(url), e) from None
-                self._quic_servers.append(qserver)
-                sockname = qserver._transport.get_extra_info("sockname") if qserver._transport else None
-                port = sockname[1] if sockname else url.port
-                self.listen_addrs.append(str(LinkUrl("quic", url.host, port)))
-            elif url.scheme == "udp":
-                from meshgate.mesh import link_udp
-
-                try:
-                    ulistener = await link_udp.listen(url.host, url.port, self._accept_udp, limits)
-                except OSError as e:
-                    await self.stop()
-                    raise bind_error("mesh.listen", str(url), e) from None
-                self._udp_listeners.append(ulistener)
-                self.listen_addrs.append(str(LinkUrl("udp", *ulistener.sockname[:2])))
-            else:
-                log.warning("mesh.listen: %s links are not implemented; skipping %s", url.scheme, url)
+            try:
+                listening = await LINK_KINDS[url.scheme].listen(self, url)
+            except OSError as e:
+                await self.stop()
+                raise bind_error("mesh.listen", str(url), e) from None
+            self._listening.append(listening)
+            self.listen_addrs.extend(listening.addresses)
         for url in self.config.mesh.peers:
             self._spawn(self._keep_peer(url))
         self._tick_handle = self.loop.call_later(self.ping_interval, self._tick)
@@ -239,17 +191,8 @@ class MeshService:
             self._build_timer.cancel()
         if self._originate_timer is not None:
             self._originate_timer.cancel()
-        for name, factory in self._rings:
-            link_ring.unlisten(name, factory)
-        self._rings.clear()
-        for server in self._servers:
-            server.close()
-        for qserver in self._quic_servers:
-            qserver.close()
-        self._quic_servers.clear()
-        for ulistener in self._udp_listeners:
-            ulistener.close()  # says CLOSE to every peer on it
-        self._udp_listeners.clear()
+        for listening in self._listening:
+            listening.close()
         for task in list(self._tasks):
             task.cancel()
         for links in list(self.links.values()):
@@ -259,22 +202,29 @@ class MeshService:
             link.abort()
         if self.mux is not None:
             self.mux.close_all()
-        for server in self._servers:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(server.wait_closed(), 2)
-        self._servers.clear()
+        for listening in self._listening:
+            await listening.wait_closed()
+        self._listening.clear()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = self.loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.hold(task)
         return task
 
     # ------------------------------------------------------------------ links
 
-    def _accept(self, url: LinkUrl) -> asyncio.Protocol:
+    @property
+    def limits(self) -> LimitsConfig:
+        return self.config.limits
+
+    def hold(self, task: asyncio.Task[Any]) -> None:
+        """Keep a task that belongs to a link (a QUIC connection's) until it ends."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def accept_link(self, url: LinkUrl) -> asyncio.Protocol:
         link = Link(self, str(url), initiator=False)
         if len(self.pending) >= self.config.limits.max_pending_handshakes:
             self.link_failed(link, "too_many_pending")
@@ -284,7 +234,7 @@ class MeshService:
             self.pending.add(link)
         return link
 
-    def _accept_udp(self, sock: link_udp.UdpSocket, addr: Any) -> link_udp.UdpLink | None:
+    def accept_udp(self, sock: link_udp.UdpSocket, addr: Any) -> link_udp.UdpLink | None:
         """A msg1 from a new source on a udp:// listener: a responder link, or None (dropped)."""
         from meshgate.mesh import link_udp
 
@@ -302,35 +252,7 @@ class MeshService:
 
     async def connect(self, url: LinkUrl) -> LinkBase:
         """Open one link (returns once connected; the handshake continues in the background)."""
-        if url.scheme == "udp":
-            from meshgate.mesh import link_udp
-
-            limits = self.config.limits
-            ulink = await link_udp.connect(
-                url, lambda sock, addr: link_udp.UdpLink(self, str(url), True, sock, addr, limits), limits
-            )
-            self.pending.add(ulink)
-            ulink.begin()
-            return ulink
-        link = Link(self, str(url), initiator=True)
-        self.pending.add(link)
-        try:
-            if url.scheme == "tcp":
-                await link_tcp.connect(url.host, url.port, lambda: link, self.handshake_timeout)
-            elif url.scheme == "ring":
-                link_ring.connect(url.host, lambda: link)
-            elif url.scheme == "quic":
-                from meshgate.mesh import link_quic
-
-                task = await link_quic.connect_link(url.host, url.port, lambda: link, self.handshake_timeout)
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            else:
-                raise OSError(f"{url.scheme} links are not implemented")
-        except BaseException:
-            self.pending.discard(link)
-            raise
-        return link
+        return await LINK_KINDS[url.scheme].connect(self, url)
 
     async def _keep_peer(self, url: LinkUrl) -> None:
         """Keep one configured peer connected; jittered exponential backoff between tries."""
@@ -698,7 +620,7 @@ class MeshService:
             except StreamError:
                 raise
             except Exception as e:
-                raise StreamError(error_code(e), str(e)) from None
+                raise StreamError(replies.for_exception(e), str(e)) from None
         if self.mux is None:
             raise StreamError(GENERAL_FAILURE, "mesh not started")
         stream, fut = self.mux.open(node_id, host, port)
@@ -723,7 +645,7 @@ class MeshService:
         try:
             transport, _ = await self.egress_connect(host, port, lambda: to_mesh)
         except Exception as e:
-            code = error_code(e)
+            code = replies.for_exception(e)
             self.stats[f"egress_failed_{code}"] += 1
             _rlog.debug(f"egress:{host}", "egress to %s:%d for %08x failed: %s", host, port, stream.peer, e)
             self.mux.refuse(stream, code)
@@ -800,5 +722,5 @@ class MeshService:
         }
 
 
-def build(node: Any) -> MeshService:
-    return MeshService(node.config)
+async def _refuse_streams(host: str, port: int, factory: Any) -> tuple[asyncio.BaseTransport, Any]:
+    raise StreamError(NOT_ALLOWED, f"this node serves no streams ({host}:{port})")

@@ -25,6 +25,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from meshgate import replies
 from meshgate.logs import RateLimitedLog
 from meshgate.mesh.frames import (
     FLAG_OPENER,
@@ -37,23 +38,13 @@ from meshgate.mesh.frames import (
     STREAM_WINDOW,
 )
 from meshgate.metrics import REGISTRY
+from meshgate.replies import GENERAL_FAILURE, NETWORK_UNREACHABLE, NOT_ALLOWED
 
 log = logging.getLogger("meshgate.mesh.streams")
 _rlog = RateLimitedLog(log)
 
-# Reset codes are SOCKS5 reply codes so the portal can pass them straight on.
-GENERAL_FAILURE = 0x01
-NOT_ALLOWED = 0x02
-NETWORK_UNREACHABLE = 0x03
-HOST_UNREACHABLE = 0x04
-REFUSED = 0x05
-TTL_EXPIRED = 0x06
-CODE_NAMES = {
-    GENERAL_FAILURE: "general failure",
-    NOT_ALLOWED: "not allowed",
-    NETWORK_UNREACHABLE: "network unreachable",
-    HOST_UNREACHABLE: "host unreachable", REFUSED: "connection refused", TTL_EXPIRED: "TTL expired / timeout",
-}
+# Reset codes are SOCKS5 reply codes (meshgate/replies.py) so the portal can pass them straight on.
+CODE_NAMES = replies.WORDS
 
 SID_SIZE = 4
 MAX_DATA = MAX_BODY - SID_SIZE  # payload per DATA frame: one frame fills one sealed record
@@ -71,12 +62,8 @@ _stream_drops = REGISTRY.counter(
 _active = REGISTRY.gauge("meshgate_mesh_streams_active", "Open mesh streams")
 
 
-class StreamError(Exception):
+class StreamError(replies.ReplyError):
     """A stream could not be opened or was reset; `code` is a SOCKS5 reply code."""
-
-    def __init__(self, code: int, message: str = "") -> None:
-        super().__init__(message or CODE_NAMES.get(code, f"code {code}"))
-        self.code = code
 
 
 # send(ftype, flags, dst, head, data) -> routed?

@@ -43,10 +43,12 @@ from collections.abc import Callable
 from typing import Any
 
 from meshgate.config import Config, IPNetwork
+from meshgate.errors import StartupError
 from meshgate.logs import RateLimitedLog
 from meshgate.mesh import channels
 from meshgate.mesh import tun_packets as tp
 from meshgate.mesh import tun_routes as tr
+from meshgate.mesh.service import MeshService
 from meshgate.metrics import REGISTRY, LocalCounter
 
 log = logging.getLogger("meshgate.mesh.tun")
@@ -464,9 +466,12 @@ def remote_cidrs(routes: list[dict[str, Any]], own_id: str, own: list[IPNetwork]
 class TunService:
     name = "tun"
 
-    def __init__(self, node: Any, opener: Callable[[str], tuple[Any, int, int]] | None = None) -> None:
-        self.node = node
-        self.cfg: Config = node.config
+    def __init__(
+        self, config: Config, mesh: MeshService | None,
+        opener: Callable[[str], tuple[Any, int, int]] | None = None,
+    ) -> None:
+        self.mesh = mesh
+        self.cfg: Config = config
         self.tun_name = self.cfg.tun.name
         self.net = tr.NetConfig(self.cfg.state_path / f"tun-{self.tun_name}.json")
         self.opener = opener or _open_tun
@@ -479,10 +484,8 @@ class TunService:
         self._sync_version: object = None
 
     async def start(self) -> None:
-        from meshgate.errors import StartupError
-
         cfg = self.cfg
-        mesh = self.node.mesh
+        mesh = self.mesh
         if mesh is None:
             raise StartupError("tun.enable: the TUN device needs the mesh (set node.ipv4 or mesh.peers)")
         if cfg.node.ipv4 is None and cfg.node.ipv6 is None:
@@ -545,7 +548,8 @@ class TunService:
                 log.exception("tun: route sync failed")
 
     async def _sync_routes(self) -> None:
-        mesh = self.node.mesh
+        mesh = self.mesh
+        assert mesh is not None  # start() refused a node without the mesh
         version = getattr(getattr(mesh, "table", None), "version", None)
         if version is not None and version == self._sync_version:
             return
@@ -648,6 +652,3 @@ def _open_tun(name: str) -> tuple[Any, int, int]:
     dev = pytun.TunTapDevice(name=name, flags=pytun.IFF_TUN | pytun.IFF_NO_PI)
     return dev, dev.fileno(), 0
 
-
-def build(node: Any) -> TunService:
-    return TunService(node)

@@ -6,8 +6,8 @@ import asyncio
 import hashlib
 import os
 
-from meshgate.mesh.testing import Collector, converged, node_config, ring_name, start_node, stop_all
 from tests.helpers import async_wait_until
+from tests.mesh_testing import Collector, converged, node_config, ring_name, start_node, stop_all
 
 SIZE = int(os.environ.get("MESHGATE_BULK_BYTES", str(1 << 30)))
 WINDOW = 262144  # pinned: the bound below is in windows, and the default stream_window has changed before

@@ -8,8 +8,8 @@ import hashlib
 import pytest
 
 from meshgate.mesh.streams import MeshStream
-from meshgate.mesh.testing import Collector, converged, node_config, ring_name, start_node, stop_all
 from tests.helpers import async_wait_until
+from tests.mesh_testing import Collector, converged, node_config, ring_name, start_node, stop_all
 
 A, B, C = 0xA, 0xB, 0xC
 WINDOW = 65536

@@ -9,8 +9,8 @@ from collections import deque
 
 from meshgate.mesh.routing import UNKNOWN_LATENCY_US
 from meshgate.mesh.service import MeshService
-from meshgate.mesh.testing import node_config, ring_name, start_node, stop_all
 from tests.helpers import async_wait_until
+from tests.mesh_testing import node_config, ring_name, start_node, stop_all
 
 N = 50
 

@@ -12,8 +12,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from meshgate.mesh.service import MeshService
-from meshgate.mesh.streams import REFUSED, StreamError
-from meshgate.mesh.testing import (
+from meshgate.mesh.streams import StreamError
+from meshgate.replies import REFUSED
+from tests.helpers import async_wait_until
+from tests.mesh_testing import (
     Collector,
     converged,
     node_config,
@@ -22,7 +24,6 @@ from meshgate.mesh.testing import (
     stop_all,
     write_all,
 )
-from tests.helpers import async_wait_until
 
 A, B, C = 0xA, 0xB, 0xC
 

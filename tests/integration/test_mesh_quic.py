@@ -9,9 +9,10 @@ import os
 
 import pytest
 
-from meshgate.mesh.streams import REFUSED, StreamError
-from meshgate.mesh.testing import Collector, converged, node_config, start_node, stop_all, write_all
+from meshgate.mesh.streams import StreamError
+from meshgate.replies import REFUSED
 from tests.helpers import async_wait_until
+from tests.mesh_testing import Collector, converged, node_config, start_node, stop_all, write_all
 
 A, B, C = 0xA, 0xB, 0xC
 

@@ -8,9 +8,9 @@ import ipaddress
 from meshgate.mesh.frames import RECORD, RECORD_EXTRA
 from meshgate.mesh.link_ring import RingTransport
 from meshgate.mesh.service import MeshService
-from meshgate.mesh.testing import converged, node_config, ring_name, start_node, stop_all
 from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
+from tests.mesh_testing import converged, node_config, ring_name, start_node, stop_all
 
 ip = ipaddress.ip_address
 

@@ -19,10 +19,10 @@ from meshgate.config import LinkUrl
 from meshgate.mesh import link_udp
 from meshgate.mesh.link_udp import UdpLink
 from meshgate.mesh.service import MeshService
-from meshgate.mesh.testing import Collector, converged, node_config, start_node, stop_all, write_all
 from meshgate.mesh.udp_session import INIT_MIN, KIND_DATA, KIND_INIT
 from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
+from tests.mesh_testing import Collector, converged, node_config, start_node, stop_all, write_all
 
 A, B, C = 0xA, 0xB, 0xC
 
@@ -293,7 +293,7 @@ async def test_roaming_peer_keeps_its_session_and_forgeries_move_nothing(
         await async_wait_until(lambda: converged([a, b]), 10, "first link")
         (la,) = _udp_links(a)
         (lb,) = _udp_links(b)
-        listener = b._udp_listeners[0]
+        listener = b._listening[0].server
         first_addr = lb.addr
         assert first_addr == la.sock.sock.getsockname()
         # a's packets on the wire, to replay and forge from another address

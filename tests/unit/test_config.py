@@ -179,3 +179,11 @@ def test_check_config_cli(tmp_path: Path) -> None:
     assert f"{bad}:socks5.listen: port 99999" in r.stderr
     assert f"{bad}:foo: unknown key" in r.stderr or f"{bad}:socks5.foo: unknown key" in r.stderr
     assert f"{good}: ok" in r.stdout
+
+
+def test_link_schemes_are_the_registered_link_kinds() -> None:
+    # config (a ground module) cannot import the mesh's registry; the two lists must agree
+    from meshgate.config import LINK_SCHEMES
+    from meshgate.mesh.link_kinds import LINK_KINDS
+
+    assert sorted(LINK_SCHEMES) == sorted(LINK_KINDS)

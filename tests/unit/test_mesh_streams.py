@@ -7,15 +7,10 @@ import asyncio
 import pytest
 
 from meshgate.mesh import streams
-from meshgate.mesh.streams import (
-    GENERAL_FAILURE,
-    REFUSED,
-    MeshStream,
-    StreamError,
-    StreamMux,
-)
-from meshgate.mesh.testing import Collector
+from meshgate.mesh.streams import MeshStream, StreamError, StreamMux
 from meshgate.metrics import REGISTRY
+from meshgate.replies import GENERAL_FAILURE, REFUSED
+from tests.mesh_testing import Collector
 
 A, B = 1, 2
 

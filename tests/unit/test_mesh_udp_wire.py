@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshgate.mesh.udp_relay import UdpWireError, decode, encode_head, head_len
+from meshgate.gateway.mesh_udp import UdpWireError, decode, encode_head, head_len
 
 
 @pytest.mark.parametrize("addr", ["10.144.1.2", "fd00::2"])

@@ -15,9 +15,9 @@ import pytest
 
 from meshgate.mesh import tun_packets as tp
 from meshgate.mesh.service import MeshService
-from meshgate.mesh.testing import converged, node_config, ring_name, start_node, stop_all
 from meshgate.mesh.tun import TunPath
 from tests.helpers import async_wait_until
+from tests.mesh_testing import converged, node_config, ring_name, start_node, stop_all
 from tests.unit.test_tun_packets import icmp_echo, ipv4, ref_sum
 
 A, B, C = 0xA, 0xB, 0xC

@@ -15,11 +15,9 @@ from meshgate.mesh.tun import TunService
 MESH = object()  # a mesh is present; these tests never get as far as using it
 
 
-class FakeNode:
-    def __init__(self, tmp: Path, mesh: Any = MESH, **node: Any) -> None:
-        raw = {"node": {"name": "t", "state_dir": str(tmp), **node}, "tun": {"enable": True}}
-        self.config = from_dict(raw)
-        self.mesh = mesh
+def service(tmp: Path, mesh: Any = MESH, **node: Any) -> TunService:
+    raw = {"node": {"name": "t", "state_dir": str(tmp), **node}, "tun": {"enable": True}}
+    return TunService(from_dict(raw), mesh, opener=refuse)
 
 
 def refuse(name: str) -> tuple[Any, int, int]:
@@ -27,19 +25,19 @@ def refuse(name: str) -> tuple[Any, int, int]:
 
 
 async def test_needs_the_mesh(tmp_path: Path) -> None:
-    svc = TunService(FakeNode(tmp_path, mesh=None, ipv4="10.144.144.1/24"), opener=refuse)
+    svc = service(tmp_path, mesh=None, ipv4="10.144.144.1/24")
     with pytest.raises(StartupError, match=r"tun\.enable: the TUN device needs the mesh"):
         await svc.start()
 
 
 async def test_needs_a_virtual_address(tmp_path: Path) -> None:
-    svc = TunService(FakeNode(tmp_path), opener=refuse)
+    svc = service(tmp_path)
     with pytest.raises(StartupError, match=r"node\.ipv4 or node\.ipv6"):
         await svc.start()
 
 
 async def test_device_refused_names_the_key_and_leaves_nothing(tmp_path: Path) -> None:
-    svc = TunService(FakeNode(tmp_path, ipv4="10.144.144.1/24"), opener=refuse)
+    svc = service(tmp_path, ipv4="10.144.144.1/24")
     with pytest.raises(StartupError, match=r"tun\.name: cannot create TUN device 'meshgate0': .*permitted"):
         await svc.start()
     assert not list(tmp_path.glob("tun-*.json"))

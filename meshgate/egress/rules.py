@@ -1,0 +1,48 @@
+"""Exit rules where traffic leaves the mesh: pure decisions, no I/O.
+
+- The node's own virtual IPs mean its loopback (127.0.0.1 / ::1).
+- A mapped proxy CIDR is translated back to the real prefix, host bits kept.
+- After resolution every address must be in one of this node's proxy CIDRs,
+  or this node must offer exit (`mesh.exit_node`, or a `0.0.0.0/0` / `::/0`
+  proxy CIDR); then `[exit]` (EgressPolicy) decides.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from meshgate.config import Config, IPNetwork
+from meshgate.policy import EgressPolicy, IPAddress, in_any
+
+
+class ExitRules:
+    """Translation and whether an address may be reached from here."""
+
+    def __init__(self, config: Config) -> None:
+        mesh = config.mesh
+        ifaces = [i for i in (config.node.ipv4, config.node.ipv6) if i is not None]
+        self.own_ips: set[IPAddress] = {i.ip for i in ifaces}
+        # The mesh's own virtual subnets: an address there with no route (unassigned,
+        # or not yet converged) must never leave by the host's default route.
+        self.vnets: tuple[IPNetwork, ...] = tuple(i.network for i in ifaces)
+        self.maps = [(c.mapped, c.real) for c in mesh.proxy_cidrs if c.mapped is not None]
+        # A catch-all proxy CIDR makes this node an exit for that family, not
+        # "owner of everything": the exit policy still applies there.
+        self.exit_families = {c.real.version for c in mesh.proxy_cidrs if c.real.prefixlen == 0}
+        if mesh.exit_node:
+            self.exit_families |= {4, 6}
+        self.own_nets = tuple(c.real for c in mesh.proxy_cidrs if c.real.prefixlen > 0)
+        self.policy = EgressPolicy(config.exit, [c for c in mesh.proxy_cidrs if c.real.prefixlen > 0])
+
+    def translate(self, ip: IPAddress) -> IPAddress:
+        for mapped, real in self.maps:
+            if ip.version == mapped.version and ip in mapped:
+                offset = int(ip) - int(mapped.network_address)
+                return ipaddress.ip_address(int(real.network_address) + offset)
+        return ip
+
+    def check(self, ip: IPAddress) -> str | None:
+        """None if allowed; else the reason (for logs and counters, never a secret)."""
+        if not in_any(ip, self.own_nets) and ip.version not in self.exit_families:
+            return f"{ip} is not in this node's proxy_cidrs and the node is not an exit (mesh.exit_node)"
+        return self.policy.check(ip)
