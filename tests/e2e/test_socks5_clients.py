@@ -1,4 +1,5 @@
-"""Real clients nobody here wrote, through the SOCKS5 portal: curl and headless Chromium."""
+"""Real clients nobody here wrote, through the SOCKS5 portal: curl, headless Chromium, and
+PySocks for UDP ASSOCIATE (neither curl nor Chromium sends UDP through SOCKS5)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import tempfile
 from collections.abc import AsyncIterator
 
 import pytest
+import socks
 
 from meshgate.config import AdminConfig, Config, HostPort, Socks5Config, User
 from meshgate.metrics import REGISTRY
 from meshgate.node import Node
-from tests.helpers import require_tool, sha256
+from tests.helpers import async_wait_until, require_tool, sha256
 
 pytestmark = [
     pytest.mark.e2e,
@@ -166,3 +168,80 @@ async def test_headless_chromium_loads_page_through_portal() -> None:
         assert marker.encode() in out
         # Proof the proxy was used, not a direct connection.
         assert connects() >= before + 1
+
+
+class UdpEcho:
+    """A loopback UDP echo server on a raw socket (asyncio's sendto skips empty datagrams),
+    sending every datagram back to its source and remembering who sent it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.setblocking(False)
+        self.address: tuple[str, int] = self.sock.getsockname()
+        self.peers: list[tuple[str, int]] = []
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(self.sock.fileno(), self._read)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data, addr = self.sock.recvfrom(65536)
+            except BlockingIOError:
+                return
+            self.peers.append(addr)
+            self.sock.sendto(data, addr)
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+
+
+def udp_datagrams(direction: str) -> float:
+    return REGISTRY.value("meshgate_socks5_udp_datagrams_total", direction)
+
+
+def pysocks_udp_round_trips(
+    sport: int, target: tuple[str, int], payloads: list[bytes]
+) -> tuple[tuple[str, int], list[tuple[bytes, tuple[str, int]]]]:
+    """PySocks' own UDP ASSOCIATE (its TCP control connection, its datagram headers), blocking,
+    so it runs in a thread beside the portal's loop. Returns the client's UDP address and
+    what came back for each payload, with the source PySocks read from the reply header."""
+    s = socks.socksocket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.set_proxy(socks.SOCKS5, "127.0.0.1", sport)
+        s.settimeout(10)  # bounds every step: the associate, each send and each reply
+        s.bind(("127.0.0.1", 0))  # sends UDP ASSOCIATE over a new TCP connection to the portal
+        replies = []
+        for payload in payloads:
+            s.sendto(payload, target)
+            replies.append(s.recvfrom(65536))
+        return s.getsockname(), replies
+    finally:
+        s.close()
+
+
+async def test_pysocks_udp_associate_round_trip_through_portal() -> None:
+    payloads = [b"ping", os.urandom(1200), b"", os.urandom(8000)]
+    echo = UdpEcho()
+    target = echo.address
+    try:
+        async with portal() as sport:
+            to_target, to_client = udp_datagrams("to_target"), udp_datagrams("to_client")
+            client, replies = await asyncio.wait_for(
+                asyncio.to_thread(pysocks_udp_round_trips, sport, target, payloads), 30
+            )
+            # every payload came back whole, in a header naming the target it was sent to
+            assert replies == [(p, target) for p in payloads]
+            # the target heard the portal's relay socket, never the client itself
+            assert len(echo.peers) == len(payloads)
+            assert client not in echo.peers
+            # the portal counted each both ways (its reply count is flushed in batches or when
+            # the association ends, which PySocks' close of the control connection starts)
+            await async_wait_until(
+                lambda: (udp_datagrams("to_target"), udp_datagrams("to_client"))
+                == (to_target + len(payloads), to_client + len(payloads)),
+                what="the portal's UDP datagram counts",
+            )
+    finally:
+        echo.close()
