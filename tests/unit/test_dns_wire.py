@@ -347,53 +347,6 @@ def test_pool_buffers_are_reused_only_after_recycle() -> None:
     assert pool.get() is b
 
 
-async def test_doq_0rtt_serves_only_query(tmp_path: Path) -> None:
-    """Before the handshake completes (0-RTT) only QUERY/NOTIFY are served; other opcodes get
-    REFUSED with Extended DNS Error 26 "Too Early" (RFC 9250 4.5)."""
-    import os
-
-    from aioquic.quic.configuration import QuicConfiguration
-    from aioquic.quic.connection import QuicConnection
-
-    from meshgate import tls
-    from meshgate.dns.doq import DoqProtocol
-    from meshgate.dns.resolver import Frontend
-
-    cert, key = tls.ensure_self_signed(tmp_path)
-    qcfg = QuicConfiguration(is_client=False, alpn_protocols=["doq"])
-    qcfg.load_cert_chain(str(cert), str(key))
-    cfg = from_dict({"node": {"name": "alpha", "ipv4": "10.144.144.1/24"}})
-    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
-    proto = DoqProtocol.__new__(DoqProtocol)
-    proto.frontend = Frontend(p, ListenerStats("unit-doq"))
-    proto.stats = proto.frontend.stats
-    proto.limits = cfg.limits
-    proto.conns = set()
-    proto.__init__(QuicConnection(configuration=qcfg, original_destination_connection_id=os.urandom(8)))
-    sent: list[bytes] = []
-    proto._send = lambda sid, b: sent.append(b.tobytes())  # type: ignore[method-assign]
-    update = dns.message.make_query("mesh.internal", "SOA")
-    update.id = 0
-    update.set_opcode(dns.opcode.UPDATE)
-    proto._query(0, update.to_wire())
-    r = dns.message.from_wire(sent[-1])
-    assert r.rcode() == dns.rcode.REFUSED
-    ede = [o for o in r.options if o.otype == dns.edns.OptionType.EDE]
-    assert ede and ede[0].code == 26
-    query = dns.message.make_query("alpha.mesh.internal", "A")
-    query.id = 0
-    proto._query(4, query.to_wire())  # a QUERY in 0-RTT is fine
-    assert dns.message.from_wire(sent[-1]).answer[0][0].address == "10.144.144.1"
-    notify = dns.message.make_query("mesh.internal", "SOA")
-    notify.id = 0
-    notify.set_opcode(dns.opcode.NOTIFY)
-    proto._query(8, notify.to_wire())  # NOTIFY may come in 0-RTT; we do not implement it: NOTIMP
-    assert dns.message.from_wire(sent[-1]).rcode() == dns.rcode.NOTIMP
-    proto.handshake_done = True
-    proto._query(12, update.to_wire())  # after the handshake: not supported, NOTIMP
-    assert dns.message.from_wire(sent[-1]).rcode() == dns.rcode.NOTIMP
-
-
 class _FakeTransport:
     def __init__(self) -> None:
         self.out: list[bytes] = []
