@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
 import os
 import random
 import shutil
@@ -16,6 +17,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -40,6 +42,16 @@ def require_tool(name: str) -> str:
     require(path is not None, f"{name} (make test installs it when run as root)")
     assert path is not None
     return path
+
+
+def require_module(name: str) -> ModuleType:
+    """An optional Python module; skip (or fail under MESHGATE_REQUIRE_E2E=1) if it is missing.
+    Instead of pytest.importorskip, which skips even in CI."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        require(False, f"Python module {name} (pip install -e '.[test]')")
+        raise  # not reached: require skipped or failed
 
 
 def require_root() -> None:

@@ -16,7 +16,7 @@ import socks
 from meshgate.config import AdminConfig, Config, HostPort, Socks5Config, User
 from meshgate.metrics import REGISTRY
 from meshgate.node import Node
-from tests.helpers import async_wait_until, require_tool, sha256
+from tests.helpers import async_wait_until, require_module, require_tool, sha256
 
 pytestmark = [
     pytest.mark.e2e,
@@ -27,7 +27,7 @@ pytestmark = [
 @pytest.fixture
 def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
     """uvloop, as `meshgate run` uses by default (the integration tests cover both loops)."""
-    uvloop = pytest.importorskip("uvloop")
+    uvloop = require_module("uvloop")
     return uvloop.EventLoopPolicy()  # type: ignore[no-any-return]
 
 

@@ -22,7 +22,7 @@ from meshgate.gateway.server import ClientProtocol
 from meshgate.gateway.service import Socks5Service
 from meshgate.metrics import REGISTRY
 from meshgate.node import Node
-from tests.helpers import async_wait_until, can_bind, open_fds, require
+from tests.helpers import async_wait_until, can_bind, open_fds, require, require_module
 
 # pytest-asyncio 1.x prefers a conftest hook for loop factories; a module-local
 # policy fixture keeps this choice inside this file.
@@ -36,7 +36,7 @@ def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLo
     """Every test runs on both loops: `meshgate run` uses uvloop, whose transports
     differ from asyncio's in type and in callback order."""
     if request.param == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
+        uvloop = require_module("uvloop")
         return uvloop.EventLoopPolicy()  # type: ignore[no-any-return]
     return asyncio.DefaultEventLoopPolicy()
 
