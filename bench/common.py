@@ -673,6 +673,19 @@ def connect_burst(proxy: tuple[str, int], target: tuple[str, int], n: int, timeo
     return uvloop.run(main())
 
 
+def easytier_interpreter_rss_mib(idle: float = 1.0) -> tuple[float, float]:
+    """(RSS, peak RSS) in MiB of `bench/peers/easytier_node.py --baseline`: the Python interpreter
+    that hosts an EasyTier node, with the same `import easytier_pyo3`, idle, and no node. What an
+    EasyTier row's RSS includes that is not the core. Needs a loopback-only namespace, like a node."""
+    argv = [sys.executable, str(PEERS / "easytier_node.py"), "--baseline"]
+    peer = Peer("easytier-interpreter", argv, ready_text='"ready": true').start()
+    try:
+        time.sleep(idle)  # as settled as a node's interpreter after start-up
+        return proc_rss_kib(peer.pid) / 1024, proc_peak_rss_kib(peer.pid) / 1024
+    finally:
+        peer.stop()
+
+
 def loopback_only() -> bool:
     """True inside a network namespace that has only `lo` (bench/peers/isolated)."""
     with open("/proc/self/net/dev") as f:

@@ -21,8 +21,11 @@ Sections (each one table, medians of alternating rounds via bench/common.py):
 * **portal**: the same upload through a SOCKS5 portal on node A into a
   three-node line A-B-C, one and two hops: meshgate (`meshgate run`
   processes) beside the EasyTier core (`easytier_node.py` processes from
-  bench/peers), like for like. EasyTier contacts STUN servers, so its
-  rows only run inside a loopback-only network namespace:
+  bench/peers), like for like; EasyTier's rows also show the peak RSS of a
+  bare interpreter with its import (`easytier_node.py --baseline`, measured
+  each round) and the nodes' largest peak RSS less it, the core's own share.
+  EasyTier contacts STUN servers, so its rows only run inside a
+  loopback-only network namespace:
 
     bench/peers/isolated .venv/bin/python bench/mesh.py --only portal
 
@@ -54,6 +57,7 @@ from bench.common import (
     Metrics,
     Runner,
     add_args,
+    easytier_interpreter_rss_mib,
     free_port,
     proc_cpu_seconds,
     proc_peak_rss_kib,
@@ -567,6 +571,10 @@ class PortalLine:
         for n, p in self.procs.items():
             out[f"{n.upper()}_cpu_s/GiB"] = (proc_cpu_seconds(p.pid) - cpu0[n]) / gib
         out["rss_MiB_max"] = max(proc_peak_rss_kib(p.pid) for p in self.procs.values()) / 1024
+        if self.kind == "easytier":
+            # the Python interpreter hosting the core, measured beside: the core's own share apart
+            out["interpreter_rss_MiB"] = easytier_interpreter_rss_mib()[1]
+            out["rss_MiB_max - interpreter"] = out["rss_MiB_max"] - out["interpreter_rss_MiB"]
         return out
 
     def stop(self) -> None:

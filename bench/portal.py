@@ -75,6 +75,7 @@ from bench.common import (
     bulk_up,
     conn_rate,
     connect_burst,
+    easytier_interpreter_rss_mib,
     echo_rtt,
     free_port,
     git_tree,
@@ -184,14 +185,8 @@ class EasyTierLine(Line):
     RSS includes that interpreter: `interpreter_rss_mib` measures a bare one with the same
     import, idle (easytier_node.py --baseline), so the core's own share can be shown apart."""
 
-    def interpreter_rss_mib(self, idle: float = 1.0) -> tuple[float, float]:
-        argv = [sys.executable, str(PEERS / "easytier_node.py"), "--baseline"]
-        peer = Peer(f"{self.name}-interpreter", argv, ready_text='"ready": true').start()
-        try:
-            time.sleep(idle)  # as idle as a node's interpreter after start-up
-            return proc_rss_kib(peer.pid) / 1024, proc_peak_rss_kib(peer.pid) / 1024
-        finally:
-            peer.stop()
+    def interpreter_rss_mib(self) -> tuple[float, float]:
+        return easytier_interpreter_rss_mib()
 
     def node_peer(self, node: str) -> Peer:
         argv = [sys.executable, str(PEERS / "easytier_node.py"), "--name", node, "--ip", VIPS[node],
