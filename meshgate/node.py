@@ -33,6 +33,7 @@ from meshgate.buffers import BufferPool
 from meshgate.config import Config
 from meshgate.egress.dialer import Dialer, OnDatagram, UdpEgress
 from meshgate.memory import Trimmer
+from meshgate.statedir import StateDirLock
 
 if TYPE_CHECKING:
     from meshgate.dns.resolver import Pipeline
@@ -59,6 +60,7 @@ class Node:
         self.started_at = time.time()
         self.services: list[Service] = []
         self.trimmer = Trimmer(config.limits.memory_trim_interval)
+        self.state_lock = StateDirLock(config.state_path)
         self.mesh: MeshService | None = None
         self.resolver: Pipeline | None = None
         self.dialer: Dialer | None = None
@@ -138,6 +140,7 @@ class Node:
     # --- lifecycle
 
     async def start(self) -> None:
+        self.state_lock.acquire()  # before anything reads or writes the state dir
         self.trimmer.start()
         for svc in self._plan():
             try:
@@ -164,6 +167,7 @@ class Node:
                 await svc.stop()
             except Exception:
                 log.exception("error while stopping %s", svc.name)
+        self.state_lock.release()
         self._stopped.set()
 
     def status(self) -> dict[str, Any]:

@@ -106,3 +106,34 @@ def test_sigint_is_clean_too(tmp_path: Path) -> None:
     wait_until(lambda: admin_up(port) or proc.poll() is not None, 30, "admin API")
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 0
+
+
+def test_a_second_node_on_one_state_dir_exits_2_naming_it(tmp_path: Path) -> None:
+    # Two nodes sharing a state dir would share a node id and never link; the second must stop.
+    state = tmp_path / "state"
+    ports = free_port(), free_port()
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    text = '[node]\nstate_dir = "{state}"\n[socks5]\nenable = false\n[admin]\nlisten = "127.0.0.1:{port}"\n'
+    first = start(first_dir, text.format(state=state, port=ports[0]))
+    try:
+        wait_until(lambda: admin_up(ports[0]) or first.poll() is not None, 30, "first node's admin API")
+        assert first.poll() is None
+        second = start(second_dir, text.format(state=state, port=ports[1]))
+        _, err = second.communicate(timeout=60)
+        assert second.returncode == 2
+        assert f"node.state_dir: {state} is in use by another running meshgate node (pid {first.pid})" in err
+        assert "Traceback" not in err
+        assert first.poll() is None  # the first node runs on, undisturbed
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=30) == 0
+    # once the first has stopped, the directory is free again
+    third = start(second_dir, text.format(state=state, port=ports[1]))
+    try:
+        wait_until(lambda: admin_up(ports[1]) or third.poll() is not None, 30, "third node's admin API")
+        assert third.poll() is None
+    finally:
+        third.send_signal(signal.SIGTERM)
+        assert third.wait(timeout=30) == 0
