@@ -393,7 +393,10 @@ def _start_dnsdist(tmp: Path, name: str, threads: int, cert: Path, key: Path) ->
 
 
 def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None,
-                  upstream_scheme: str = "udp", workers: tuple[int, ...] = (1,)) -> dict[str, Server]:
+                  upstream_scheme: str = "udp", workers: tuple[int, ...] = (1,),
+                  keep: Callable[[str], bool] = lambda name: True) -> dict[str, Server]:
+    """The servers under load; `keep(name)` False leaves one unstarted (`--only`), except the
+    one-thread unbound, which is meshgate's upstream."""
     cert, key = _cert(tmp)
     servers: dict[str, Server] = {}
     # unbound (one thread) is also meshgate's loopback upstream, so it always runs. The peers get
@@ -402,12 +405,13 @@ def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None,
     servers["unbound"] = _start_unbound(tmp, "unbound", 1, cert, key)
     u_udp = servers["unbound"].udp
     for n in workers:
-        if n != 1:
+        if n != 1 and keep(f"unbound-t{n}"):
             servers[f"unbound-t{n}"] = _start_unbound(tmp, f"unbound-t{n}", n, cert, key)
     if "dnsdist" in wanted and shutil.which("dnsdist"):
         for n in workers:
             name = "dnsdist" if n == 1 else f"dnsdist-t{n}"
-            servers[name] = _start_dnsdist(tmp, name, n, cert, key)
+            if keep(name):
+                servers[name] = _start_dnsdist(tmp, name, n, cert, key)
     trees = [("meshgate", ROOT)]
     if ab_ref:
         trees.append((f"meshgate@{ab_ref}", git_tree(ab_ref, str(tmp))))
@@ -415,6 +419,8 @@ def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None,
         for n in workers:
             # "meshgate" is one process (as before dns.workers); "meshgate-w2" the node plus one worker.
             name = base if n == 1 else f"{base}-w{n}"
+            if not keep(name):
+                continue
             # unbound answers TCP on its UDP port too: tcp:// is a pooled, pipelined upstream.
             servers[name] = _start_meshgate(tmp, name, cwd, f"{upstream_scheme}://127.0.0.1:{u_udp}", cert,
                                             key, n)
@@ -558,7 +564,8 @@ def main() -> None:
             tmp = Path(d)
             wanted = {"meshgate", "unbound", "dnsdist"}
             workers = tuple(int(w) for w in args.workers.split(","))
-            servers = start_servers(tmp, wanted, args.ab, args.upstream, workers)
+            servers = start_servers(tmp, wanted, args.ab, args.upstream, workers,
+                                    keep=lambda name: selected(args, name))
             try:
                 runners.append(_load(args, tmp, servers))
             finally:
