@@ -57,6 +57,7 @@ import asyncio
 import base64
 import contextlib
 import gc
+import inspect
 import re
 import secrets
 import shutil
@@ -143,7 +144,10 @@ def _five_a_pipeline(pooled: bool, now: float = 0.0) -> Pipeline:
     """A pipeline whose cache holds five.bench A (TTL 3600 from `now`: the server path asks the
     cache at the loop's clock, which is past 3600 on a machine up for more than an hour)."""
     cfg = from_dict({"node": {"name": "bench"}, "limits": {"dns_tcp_idle_timeout": 3600.0}})
-    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[], pooled=pooled)
+    if "names" in inspect.signature(Pipeline).parameters:  # Pipeline(config, *, names, ...)
+        p = Pipeline(cfg, upstreams=[], pooled=pooled)
+    else:  # before the node contract: Pipeline(config, node, ...)
+        p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[], pooled=pooled)
     q = dns.message.make_query("five.bench.", "A")
     r = dns.message.make_response(q)
     five = [f"192.0.2.{i}" for i in range(1, 6)]
@@ -345,6 +349,25 @@ def pooling_saves(r: Runner) -> str:
                      else f"{k} pooled/unpooled n/a (unpooled 0)")
     return (f"{r.title.split(' ')[0]}: pooling saves per query (median of {len(pairs)} paired rounds, "
             f"unpooled - pooled): " + ", ".join(parts))
+
+
+def scaling(r: Runner) -> str:
+    """N processes/threads against one, per protocol row: medians over rounds of the paired
+    ratios (same round) of q/s and of CPU per query, e.g. meshgate-w2 / meshgate."""
+    lines = ["dns-load: N processes (meshgate-wN) or threads (unbound-tN, dnsdist-tN) against one, "
+             "medians of paired ratios:"]
+    for label, rows in r.results.items():
+        server, _, proto = label.partition(" ")
+        m = re.fullmatch(r"(.+)-[wt](\d+)", server)
+        if m is None or f"{m.group(1)} {proto}" not in r.results:
+            continue
+        pairs = list(zip(rows, r.results[f"{m.group(1)} {proto}"], strict=False))
+        q = [a["qps"] / b["qps"] for a, b in pairs if b["qps"]]
+        c = [a["cpu_us/q"] / b["cpu_us/q"] for a, b in pairs if b["cpu_us/q"]]
+        if q and c:
+            lines.append(f"  {server}/{m.group(1)} {proto}: q/s {fmt(statistics.median(q))}x "
+                         f"(rounds {fmt(min(q))}-{fmt(max(q))}), CPU/q {fmt(statistics.median(c))}x")
+    return "\n".join(lines) if len(lines) > 1 else "dns-load: no N-against-one pairs ran"
 
 
 # --------------------------------------------------------------------------- 2. load against peers
@@ -575,6 +598,8 @@ def main() -> None:
     for r in runners:
         if r.baseline == "unpooled":
             print(pooling_saves(r))
+        elif r.title.startswith("dns-load"):
+            print(scaling(r))
 
 
 def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Runner:
@@ -597,13 +622,17 @@ def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Ru
         if rows is None or any(r in label for r in rows):
             run.add(label, fn)
 
-    for name, s in servers.items():
-        if not selected(args, name):
-            continue
-        # 16 sockets (dnsperf -c): the kernel spreads UDP over SO_REUSEPORT processes by source port.
+    live = {name: s for name, s in servers.items() if selected(args, name)}
+    # Grouped by protocol, so the rows compared with each other (meshgate-wN with meshgate,
+    # unbound-tN with unbound, ...) run close together in every round.
+    # 16 sockets (dnsperf -c): the kernel spreads UDP over SO_REUSEPORT processes by source port.
+    for name, s in live.items():
         add(f"{name} udp dnsperf", lambda s=s: dnsperf(s, "udp", hit, sec, ["-c", "16", "-q", "200"]))
+    for name, s in live.items():
         add(f"{name} doh GET h2load", lambda s=s: h2load(s, n, post=False))
+    for name, s in live.items():
         add(f"{name} doh POST h2load", lambda s=s: h2load(s, n, post=True, body=body))
+    for name, s in live.items():
         if name.startswith("dnsdist"):
             # dnsperf 2.10 -m doh loses dnsdist 1.7's answers (dnsdist sends them; the client drops
             # them: bench/peers/README.md), so that row would measure the client: h2load's stand.
