@@ -14,13 +14,34 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPInterface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
 
 LINK_SCHEMES = ("tcp", "quic", "ring", "udp")
-DNS_PROTOCOLS = ("udp", "tcp", "dot", "doh", "doq", "odoh")
+
+
+class DnsListenerKind(NamedTuple):
+    """What reading a [[dns.listener]] needs to know about its protocol."""
+
+    default_port: int
+    socket: str  # what it binds, "udp" or "tcp": two listeners of one socket kind cannot share a port
+
+
+# [[dns.listener]] protocols. The kinds are implemented in meshgate/dns (its DNS_LISTENERS
+# registry; config must not import it): tests/unit/test_dns_registry.py checks both name the same.
+DNS_LISTENER_KINDS: dict[str, DnsListenerKind] = {
+    "udp": DnsListenerKind(53, "udp"),
+    "tcp": DnsListenerKind(53, "tcp"),
+    "dot": DnsListenerKind(853, "tcp"),
+    "doh": DnsListenerKind(443, "tcp"),
+    "doq": DnsListenerKind(853, "udp"),
+    "odoh": DnsListenerKind(443, "tcp"),
+}
+DNS_PROTOCOLS = tuple(DNS_LISTENER_KINDS)
+# dns.upstreams URL schemes (meshgate/dns/upstream.py's UPSTREAMS registry; the same test).
+UPSTREAM_SCHEMES = ("udp", "tcp", "tls", "https", "quic", "odoh")
 ODOH_MODES = ("target", "proxy", "dual")
 DEFAULT_STATE_DIR = "~/.local/state/meshgate"
 
@@ -405,8 +426,9 @@ def _exit_node_ref(value: object) -> str:
 def _upstream(value: object) -> str:
     s = _parse_str(value)
     scheme, sep, _ = s.partition("://")
-    if not sep or scheme not in ("udp", "tcp", "tls", "https", "quic", "odoh"):
-        raise ValueError(f"{s!r}: expected udp://, tcp://, tls://, https://, quic:// or odoh:// URL")
+    if not sep or scheme not in UPSTREAM_SCHEMES:
+        *first, last = (f"{x}://" for x in UPSTREAM_SCHEMES)
+        raise ValueError(f"{s!r}: expected {', '.join(first)} or {last} URL")
     return s
 
 
@@ -505,7 +527,6 @@ _LISTENER_KEYS = [
     "protocol", "listen", "cert", "key", "path", "mode", "key_seed", "allow_doh",
     "key_rotation", "targets", "allow_ip_targets",
 ]
-_DEFAULT_DNS_PORTS = {"udp": 53, "tcp": 53, "dot": 853, "doh": 443, "doq": 853, "odoh": 443}
 
 
 def _read_listener(r: _Reader, raw: object, prefix: str) -> DnsListenerConfig | None:
@@ -519,7 +540,7 @@ def _read_listener(r: _Reader, raw: object, prefix: str) -> DnsListenerConfig | 
     protocol = r.value(raw, prefix, "protocol", _choice(*DNS_PROTOCOLS), "")
     if not protocol:
         return None
-    default_port = _DEFAULT_DNS_PORTS[protocol]
+    default_port = DNS_LISTENER_KINDS[protocol].default_port
     listen = r.value(
         raw, prefix, "listen", lambda v: parse_host_port(v, default_port), HostPort("127.0.0.1", default_port)
     )
@@ -692,8 +713,7 @@ def _check_ports(r: _Reader, socks5: Socks5Config, dns: DnsConfig, admin: AdminC
     if admin.enable:
         claim("tcp", admin.listen, "admin.listen")
     for i, lst in enumerate(dns.listeners):
-        kind = "udp" if lst.protocol in ("udp", "doq") else "tcp"
-        claim(kind, lst.listen, f"dns.listener[{i}].listen")
+        claim(DNS_LISTENER_KINDS[lst.protocol].socket, lst.listen, f"dns.listener[{i}].listen")
 
 
 def default_listeners() -> tuple[DnsListenerConfig, ...]:

@@ -1,9 +1,10 @@
-"""DoH request handling (RFC 8484), independent of the HTTP/2 plumbing.
+"""DoH (RFC 8484): the request handling, and the `doh` listener kind.
 
-`DohApp(pipeline, stats, path)` is an h2server Handler: call it with
-(method, path, headers, body) and get (status, headers, body) back, or an
-awaitable of that when the answer needs an upstream. The ODoH target reuses
-it for the plain DoH part of a dual listener.
+`DohApp(pipeline, stats, path)` is an h2server Handler, independent of the
+HTTP/2 plumbing: call it with (method, path, headers, body) and get (status,
+headers, body) back, or an awaitable of that when the answer needs an
+upstream. The ODoH listener reuses it for the plain DoH part of a dual
+listener. `DohListener` serves it on meshgate.dns.h2server over TLS.
 
 Rules (RFC 8484 sections 4.1 and 5.1; docs/ARCHITECTURE.md, "A DoH query"): GET `?dns=` is base64url without
 padding (400 for '=', '+', '/' or other bad encodings), POST needs
@@ -19,10 +20,13 @@ from __future__ import annotations
 import asyncio
 import binascii
 from collections.abc import Awaitable
+from typing import Any
 
 from meshgate.buffers import Buffer
-from meshgate.dns.h2server import Response, current_peer
-from meshgate.dns.resolver import Frontend, Pipeline
+from meshgate.config import HostPort
+from meshgate.dns.h2server import H2ServerProtocol, Response, current_peer, start_h2
+from meshgate.dns.listeners import Listener, bound_address
+from meshgate.dns.resolver import Frontend, Later, Pipeline, Ready
 from meshgate.dns.stats import ListenerStats
 
 CONTENT_TYPE = "application/dns-message"
@@ -91,23 +95,20 @@ class DohApp:
         else:
             self.stats.error("http_405")
             return _error(405, "use GET or POST\n", [("allow", "GET, POST")])
-        fut: asyncio.Future[Response] | None = None
-
-        def done(buf: Buffer | None, max_age: int) -> None:
-            if fut is None or fut.done():
-                if buf is not None:
-                    buf.drop()
-                return
-            fut.set_result(self._ok(buf, max_age))
-
-        fe = self.frontend
-        res = fe.query(msg, self.loop.time(), current_peer.get(), done=done)
-        if res is Frontend.PENDING:
-            fut = self.loop.create_future()
-            return fut
+        res = self.frontend.query(msg, self.loop.time(), current_peer.get())
+        if isinstance(res, Ready):
+            return self._ok(res.buffer, res.max_age)
         if res is None:
             return _error(400, "not a DNS query\n")
-        return self._ok(res, fe.max_age)
+        return self._ok_later(res)
+
+    async def _ok_later(self, later: Later) -> Response:
+        try:
+            ready = await later.answer
+        except asyncio.CancelledError:  # the stream or connection went away
+            later.abandon()
+            raise
+        return self._ok(None, 0) if ready is None else self._ok(ready.buffer, ready.max_age)
 
     def _ok(self, buf: Buffer | None, max_age: int) -> Response:
         if buf is None:  # dropped: too much in flight
@@ -119,3 +120,28 @@ class DohApp:
             headers = self._ok_headers[max_age] = [("content-type", CONTENT_TYPE),
                                                    ("cache-control", f"max-age={max_age}")]
         return (200, headers, buf)
+
+
+class DohListener(Listener):
+    """`protocol = "doh"`: DoH over HTTP/2 and TLS (meshgate.dns.h2server) answering at `path`."""
+
+    scheme = "https"
+    has_path = True
+    shared = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.server: asyncio.Server | None = None
+        self.conns: set[H2ServerProtocol] = set()
+
+    async def _serve(self) -> HostPort:
+        ssl = self.ssl_context(["h2"])
+        app = DohApp(self.pipeline, self.stats, self.cfg.path)
+        hp = self.cfg.listen
+        self.server, self.conns = await start_h2(app, self.stats, self.limits, hp.host, hp.port, ssl,
+                                                 reuse_port=self.reuse_port)
+        return bound_address(self.server.sockets[0].getsockname())
+
+    async def _close(self) -> None:
+        await self._close_server(self.server)
+        self.server = None

@@ -33,9 +33,11 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.tls import SessionTicket
 
 from meshgate.buffers import Buffer
-from meshgate.config import LimitsConfig
+from meshgate.config import HostPort, LimitsConfig
+from meshgate.conns import admit
 from meshgate.dns import wire
-from meshgate.dns.resolver import Frontend, Pipeline
+from meshgate.dns.listeners import Listener, bound_address
+from meshgate.dns.resolver import Frontend, Pipeline, Ready
 from meshgate.dns.stats import ListenerStats
 from meshgate.logs import RateLimitedLog
 
@@ -131,9 +133,9 @@ class DoqProtocol(QuicConnectionProtocol):
         limit = getattr(self._quic, "_local_max_streams_bidi", None)
         if limit is not None and hasattr(limit, "value"):
             limit.value = min(int(limit.value), self.limits.doq_max_streams)
-        self.over_cap = len(self.conns) >= self.limits.dns_tcp_max_clients
-        if not self.over_cap:
-            self.conns.add(self)
+        # Refused with a DoQ code once the first packet is processed (a close before that would
+        # not reach the client, and the peer's address is known only then).
+        self.over_cap = not admit(self.conns, self, self.limits.dns_tcp_max_clients)
 
     @property
     def peer(self) -> Any:
@@ -141,12 +143,7 @@ class DoqProtocol(QuicConnectionProtocol):
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         if self.over_cap and not self.closed:
-            # Refused with a DoQ code once the first packet is processed (a close before
-            # that would not reach the client).
-            self.stats.drop("max_clients")
-            rlog.debug(f"{self.stats.name} max",
-                       "doq %s: refusing %s: %d connections (limits.dns_tcp_max_clients)",
-                       self.stats.name, self.peer, len(self.conns))
+            self.stats.refused_connection(self.peer, len(self.conns))
             self.closed = True
             self._quic.close(error_code=DOQ_EXCESSIVE_LOAD, reason_phrase="too many connections")
             return
@@ -221,12 +218,12 @@ class DoqProtocol(QuicConnectionProtocol):
         if not self.handshake_done and too_early(msg):
             self._too_early(sid, msg)
             return
-        res = self.frontend.query(msg, self._loop.time(), self.peer, pad=True, check=check_doq_query,
-                                  done=lambda buf, _age: self._answer_later(sid, buf))
-        if res is Frontend.PENDING:
+        res = self.frontend.query(msg, self._loop.time(), self.peer, pad=True, check=check_doq_query)
+        if isinstance(res, Ready):
+            self._send(sid, res.buffer)
+        elif res is not None:
             self.running.add(sid)
-        elif isinstance(res, Buffer):
-            self._send(sid, res)
+            res.then(lambda ready: self._answer_later(sid, ready))
         else:  # dropped (malformed beyond answering): tell the client, free the slot
             self._reset(sid, DOQ_REQUEST_CANCELLED)
 
@@ -249,7 +246,8 @@ class DoqProtocol(QuicConnectionProtocol):
         self.stats.response(wire.REFUSED)
         self._send(sid, buf)
 
-    def _answer_later(self, sid: int, buf: Buffer | None) -> None:
+    def _answer_later(self, sid: int, ready: Ready | None) -> None:
+        buf = ready.buffer if ready is not None else None
         self.running.discard(sid)
         if sid in self.cancelled:
             self.cancelled.discard(sid)
@@ -325,3 +323,28 @@ async def start_doq(pipeline: Pipeline, stats: ListenerStats, limits: LimitsConf
     server = await serve(host, port, configuration=config, create_protocol=make,
                          session_ticket_fetcher=tickets.pop, session_ticket_handler=tickets.add)
     return server, conns
+
+
+class DoqListener(Listener):
+    """`protocol = "doq"`: DNS over QUIC (RFC 9250). Stays in the main process with dns.workers > 1
+    (a QUIC connection's packets must all reach the process holding its state)."""
+
+    scheme = "quic"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.server: QuicServer | None = None
+        self.conns: set[DoqProtocol] = set()
+
+    async def _serve(self) -> HostPort:
+        cert, key = self.tls_files()
+        hp = self.cfg.listen
+        self.server, self.conns = await start_doq(self.pipeline, self.stats, self.limits, hp.host, hp.port,
+                                                  cert, key)
+        t = self.server._transport
+        return bound_address(t.get_extra_info("sockname")) if t is not None else hp
+
+    async def _close(self) -> None:
+        if self.server is not None:
+            self.server.close()  # closes every connection it holds
+            self.server = None

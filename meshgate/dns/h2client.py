@@ -10,6 +10,12 @@ the caller decides), accept server push (disabled in SETTINGS, reset if sent
 anyway), buffer unbounded bodies (a response over `max_body` resets the stream
 and fails the request), or open streams beyond the smaller of our cap and the
 server's SETTINGS_MAX_CONCURRENT_STREAMS.
+
+HPACK: h2 decodes response headers with hpack's Decoder. This client does not
+rely on meshgate.dns.hpack_speedup and never installs it: the faster Huffman
+decoder gives byte-identical results, so where the DoH/ODoH server installed
+it in the same process (an ODoH proxy beside its listener) responses decode a
+little faster, and elsewhere (`meshgate dns query --odoh`) hpack's own runs.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import h2.events
 import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
+
+from meshgate.netfmt import authority, host_port
 
 
 class H2ClientError(Exception):
@@ -283,6 +291,7 @@ async def connect(
     """Open a TLS connection to `host` (a name or an address already vetted by the
     caller) and check the server agreed to HTTP/2."""
     loop = asyncio.get_running_loop()
+    where = host_port(host, port)
     try:
         async with asyncio.timeout(timeout):
             _, proto = await loop.create_connection(
@@ -293,20 +302,20 @@ async def connect(
                 server_hostname=server_hostname,
             )
     except TimeoutError:
-        raise H2ClientError("connection_timeout", f"connecting to {host}:{port} timed out") from None
+        raise H2ClientError("connection_timeout", f"connecting to {where} timed out") from None
     except ssl.SSLCertVerificationError as e:
         raise H2ClientError("tls_certificate_error", f"{server_hostname}: {e.verify_message}") from None
     except ssl.SSLError as e:
-        raise H2ClientError("tls_protocol_error", f"TLS with {host}:{port} failed: {e.reason}") from None
+        raise H2ClientError("tls_protocol_error", f"TLS with {where} failed: {e.reason}") from None
     except ConnectionRefusedError:
-        raise H2ClientError("connection_refused", f"{host}:{port} refused the connection") from None
+        raise H2ClientError("connection_refused", f"{where} refused the connection") from None
     except OSError as e:
-        raise H2ClientError("destination_unavailable", f"{host}:{port}: {e.strerror or e}") from None
+        raise H2ClientError("destination_unavailable", f"{where}: {e.strerror or e}") from None
     assert proto.transport is not None
     sslobj = proto.transport.get_extra_info("ssl_object")
     if sslobj is None or sslobj.selected_alpn_protocol() != "h2":
         proto.close()
-        raise H2ClientError("http_protocol_error", f"{host}:{port} does not speak HTTP/2 (ALPN)")
+        raise H2ClientError("http_protocol_error", f"{where} does not speak HTTP/2 (ALPN)")
     return proto
 
 
@@ -399,13 +408,10 @@ class H2Pool:
         timeout: float,
     ) -> H2Response:
         """One request to `name` at `addr:port` (addr may be the vetted IP for `name`)."""
-        authority = name if port == 443 else f"{name}:{port}"
-        if ":" in name and not name.startswith("["):
-            authority = f"[{name}]" if port == 443 else f"[{name}]:{port}"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         conn = await self._get(addr, port, name, timeout)
-        sid, fut = conn.request(method, authority.encode(), path, headers, body)
+        sid, fut = conn.request(method, authority(name, port, 443).encode(), path, headers, body)
         received = conn.received
         try:
             async with asyncio.timeout_at(deadline):

@@ -28,8 +28,9 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 from meshgate.dns import odoh
 from meshgate.dns.h2client import H2ClientError, H2Pool, H2Response, client_ssl_context
-from meshgate.dns.upstream import Upstream, UpstreamError
+from meshgate.dns.upstream import Upstream, UpstreamError, UpstreamOptions
 from meshgate.metrics import REGISTRY
+from meshgate.netfmt import authority
 
 _queries = REGISTRY.counter(
     "meshgate_odoh_client_queries_total", "ODoH queries sent by this node as a client", ("result",)
@@ -56,8 +57,7 @@ class HttpsEndpoint:
 
     @property
     def authority(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return host if self.port == 443 else f"{host}:{self.port}"
+        return authority(self.host, self.port, 443)
 
 
 def parse_endpoint(url: str, default_path: str) -> HttpsEndpoint:
@@ -202,6 +202,10 @@ class OdohUpstream(Upstream):
         self.url = url
         ctx = client_ssl_context(insecure=verify is False, cafile=verify if isinstance(verify, str) else None)
         self.client = OdohClient(target, proxy, ctx)
+
+    @classmethod
+    def from_url(cls, url: str, rest: str, sni: str, options: UpstreamOptions) -> Upstream:
+        return cls(url, options.verify)
 
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
         self.client.timeout = timeout

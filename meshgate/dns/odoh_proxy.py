@@ -32,6 +32,7 @@ from meshgate.dns.h2client import H2ClientError, H2Pool, client_ssl_context
 from meshgate.dns.h2server import current_peer
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY
+from meshgate.netfmt import authority
 from meshgate.policy import BUILTIN_DENY, IPAddress
 
 log = logging.getLogger("meshgate.dns.odoh")
@@ -104,8 +105,7 @@ class TargetRef:
 
     @property
     def authority(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return host if self.port == 443 else f"{host}:{self.port}"
+        return authority(self.host, self.port, 443)
 
 
 def parse_target(query: str) -> TargetRef:

@@ -21,15 +21,14 @@ import logging
 from collections.abc import Awaitable
 from typing import Any
 
-from meshgate.config import DnsListenerConfig, LimitsConfig
+from meshgate.config import Config, DnsListenerConfig, HostPort, LimitsConfig
 from meshgate.dns import odoh
 from meshgate.dns.h2server import H2ServerProtocol, Response, start_h2
+from meshgate.dns.listeners import Listener, bound_address
 from meshgate.dns.odoh_proxy import OdohProxy
 from meshgate.dns.odoh_target import OdohTarget
 from meshgate.dns.resolver import Pipeline
 from meshgate.dns.stats import ListenerStats
-from meshgate.errors import bind_error
-from meshgate.tls import ensure_self_signed, server_context
 
 log = logging.getLogger("meshgate.dns.odoh")
 
@@ -99,48 +98,38 @@ class OdohApp:
             self.proxy.close()
 
 
-class OdohListener:
-    """A Service for one `protocol = "odoh"` listener."""
+class OdohListener(Listener):
+    """`protocol = "odoh"`: an ODoH target, proxy or both on the HTTP/2 server. Stays in the main
+    process with dns.workers > 1 (one target key pair, rotated in one place)."""
 
-    def __init__(self, node: Any, cfg: DnsListenerConfig, pipeline: Pipeline) -> None:
-        self.node = node
-        self.cfg = cfg
-        self.pipeline = pipeline
-        self.limits: LimitsConfig = node.config.limits
-        self.name = f"odoh-{cfg.mode}"
-        self.url = f"https://{cfg.listen}{cfg.path}"
-        self.stats = ListenerStats(f"odoh://{cfg.listen}{cfg.path}")
+    scheme = "https"
+    has_path = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.name = f"odoh-{self.cfg.mode}"
         self.app: OdohApp | None = None
         self.server: asyncio.Server | None = None
         self.conns: set[H2ServerProtocol] = set()
         self.timer: asyncio.TimerHandle | None = None
-        self.cert_note: str | None = None
 
-    def _key(self) -> str:
-        try:
-            return f"dns.listener[{self.node.config.dns.listeners.index(self.cfg)}].listen"
-        except (AttributeError, ValueError):
-            return "dns.listener.listen"
+    def stats_name(self, hp: HostPort) -> str:
+        return f"odoh://{hp}{self.cfg.path}"
 
-    async def start(self) -> None:
+    async def _serve(self) -> HostPort:
         cfg = self.cfg
-        if cfg.cert and cfg.key:
-            cert, key = cfg.cert, cfg.key
-        else:
-            c, k = ensure_self_signed(self.node.config.state_path)
-            cert, key = str(c), str(k)
-            self.cert_note = f"self-signed certificate {c}"
-        ctx = server_context(cert, key, ["h2"])  # type: ignore[arg-type]
+        ctx = self.ssl_context(["h2"])
         self.app = OdohApp(cfg, self.limits, self.pipeline, self.stats)
         try:
             self.server, self.conns = await start_h2(
                 self.app, self.stats, self.limits, cfg.listen.host, cfg.listen.port, ctx
             )
-        except OSError as e:
+        except BaseException:
             self.app.close()
-            raise bind_error(self._key(), cfg.listen, e) from None
+            raise
         if self.app.target is not None and self.app.target.rotation is not None:
             self._schedule_rotation(self.app.target.rotation)
+        return bound_address(self.server.sockets[0].getsockname())
 
     def _schedule_rotation(self, period: float) -> None:
         def rotate() -> None:
@@ -150,46 +139,37 @@ class OdohListener:
 
         self.timer = asyncio.get_running_loop().call_later(period, rotate)
 
-    async def stop(self) -> None:
+    async def _close(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        if self.server is not None:
-            self.server.close()
-            for c in list(self.conns):
-                if c.transport is not None:
-                    c.transport.close()
-            await self.server.wait_closed()
-            self.server = None
+            self.timer = None
+        await self._close_server(self.server)
+        self.server = None
         if self.app is not None:
             self.app.close()
 
     async def close(self) -> None:
         await self.stop()
 
-    @property
-    def port(self) -> int:
-        if self.server is not None and self.server.sockets:
-            return int(self.server.sockets[0].getsockname()[1])
-        return self.cfg.listen.port
-
     def status(self) -> dict[str, Any]:
         notes = [f"ODoH {self.cfg.mode}"]
         app = self.app
+        hp = self.bound or self.cfg.listen
         if app is not None and app.target is not None:
             kid = app.target.keys.current.key_id[:8].hex()
-            notes.append(f"configs at https://{self.cfg.listen}{odoh.CONFIGS_PATH} (key id {kid}...)")
+            notes.append(f"configs at https://{hp}{odoh.CONFIGS_PATH} (key id {kid}...)")
             if self.cfg.allow_doh:
                 notes.append("plain DoH on the same path")
         if app is not None and app.proxy is not None:
             notes.append(f"proxy URI {self.url}?targethost={{targethost}}&targetpath={{targetpath}}")
-        if self.cert_note:
-            notes.append(self.cert_note)
+        if self.generated_cert is not None:
+            notes.append(f"self-signed certificate {self.generated_cert}")
         return {"listen": self.url, "notes": notes, "stats": self.stats.snapshot()}
 
 
-async def build_listener(node: Any, listener_cfg: DnsListenerConfig, pipeline: Pipeline) -> OdohListener:
-    """Called by the DNS service for each `protocol = "odoh"` listener: returns it
-    started (its `close()` stops it, `url` names it, `status()` describes it)."""
-    listener = OdohListener(node, listener_cfg, pipeline)
+async def build_listener(config: Config, listener_cfg: DnsListenerConfig, pipeline: Pipeline) -> OdohListener:
+    """One `protocol = "odoh"` listener, started (`stop()` or `close()` stops it, `url` names it,
+    `status()` describes it). The DNS service builds it like every other kind (dns/listeners.py)."""
+    listener = OdohListener(config, listener_cfg, pipeline)
     await listener.start()
     return listener

@@ -26,7 +26,7 @@ from meshgate.buffers import Buffer, BufferPool
 from meshgate.config import DnsListenerConfig, LimitsConfig
 from meshgate.dns import odoh
 from meshgate.dns.h2server import Response, current_peer
-from meshgate.dns.resolver import Frontend, Pipeline
+from meshgate.dns.resolver import Frontend, Later, Pipeline, Ready
 from meshgate.dns.stats import ListenerStats
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY
@@ -95,23 +95,20 @@ class OdohTarget:
             rlog.debug(f"odoh {reason} {peer}", "odoh target: rejected a query from %s (%s): %s",
                        peer, e.status, e)
             return (e.status, [NO_STORE], b"")
-        fut: asyncio.Future[Response] | None = None
-
-        def done(buf: Buffer | None, _age: int) -> None:
-            if fut is None or fut.done():  # the HTTP stream is gone
-                if buf is not None:
-                    buf.drop()
-                return
-            fut.set_result(self._seal(ctx, buf))
-
-        loop = asyncio.get_running_loop()
-        res = self.frontend.query(query, loop.time(), ANONYMOUS_PEER, done=done)
-        if res is Frontend.PENDING:
-            fut = loop.create_future()
-            return fut
+        res = self.frontend.query(query, asyncio.get_running_loop().time(), ANONYMOUS_PEER)
+        if isinstance(res, Ready):
+            return self._seal(ctx, res.buffer)
         if res is None:  # not a DNS query at all (FORMERR-able ones come back as answers)
             return (400, [NO_STORE], b"")
-        return self._seal(ctx, res)
+        return self._seal_later(ctx, res)
+
+    async def _seal_later(self, ctx: odoh.ResponseContext, later: Later) -> Response:
+        try:
+            ready = await later.answer
+        except asyncio.CancelledError:  # the HTTP stream is gone
+            later.abandon()
+            raise
+        return self._seal(ctx, ready.buffer if ready is not None else None)
 
     def _seal(self, ctx: odoh.ResponseContext, answer: Buffer | None) -> Response:
         if answer is None:  # dropped under load (limits.dns_max_inflight)

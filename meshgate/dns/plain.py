@@ -5,6 +5,8 @@ pooled buffer and written in the same loop tick the query arrived in.
 Buffers: UDP recycles after `sendto` left nothing queued in the transport;
 TCP/TLS park a written buffer until the transport's buffer is empty
 (`release_when_drained`) and drop everything parked when the peer vanishes.
+
+The listener kinds `udp`, `tcp` and `dot` (meshgate.dns.listeners) are at the end.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import contextlib
 import logging
 import socket
 from collections import deque
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from meshgate.buffers import Buffer, abandon_parked, drain_parked, release_when_drained
-from meshgate.config import LimitsConfig
-from meshgate.dns.resolver import Frontend, Pipeline
+from meshgate.config import HostPort, LimitsConfig
+from meshgate.conns import IdleTimer, admit
+from meshgate.dns.listeners import Listener, bound_address, serve_stream
+from meshgate.dns.resolver import Frontend, Pipeline, Ready
 from meshgate.dns.stats import ListenerStats
 from meshgate.logs import RateLimitedLog
 
@@ -45,15 +49,14 @@ class UdpDnsProtocol(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)  # selector's isn't a subclass
 
     def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
-        res = self.frontend.query(data, self.loop.time(), addr, udp=True,
-                                  done=lambda buf, _age: self._send(buf, addr))
-        if isinstance(res, Buffer):
-            self._send(res, addr)
+        res = self.frontend.query(data, self.loop.time(), addr, udp=True)
+        if isinstance(res, Ready):
+            self._send(res.buffer, addr)
+        elif res is not None:
+            res.then(lambda ready: self._send(ready.buffer, addr) if ready is not None else None)
 
-    def _send(self, buf: Buffer | None, addr: tuple[Any, ...]) -> None:
+    def _send(self, buf: Buffer, addr: tuple[Any, ...]) -> None:
         t = self.transport
-        if buf is None:
-            return
         if t is None or t.is_closing():
             buf.drop()
             return
@@ -91,37 +94,29 @@ class StreamDnsProtocol(asyncio.Protocol):
         self.reading = True
         self.writing = True
         self.peer: Any = None
-        self.last_active = self.loop.time()
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer = IdleTimer(self.loop, limits.dns_tcp_idle_timeout, self._idle, busy=self._busy)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
         self.transport = transport
         self.peer = transport.get_extra_info("peername")
-        if len(self.conns) >= self.limits.dns_tcp_max_clients:
-            self.stats.drop("max_clients")
-            rlog.debug(f"{self.stats.name} max",
-                       "dns %s: refusing %s: %d connections (limits.dns_tcp_max_clients)",
-                       self.stats.name, self.peer, len(self.conns))
+        if not admit(self.conns, self, self.limits.dns_tcp_max_clients):
+            self.stats.refused_connection(self.peer, len(self.conns))
             transport.abort()
             return
-        self.conns.add(self)
-        self.timer = self.loop.call_later(self.limits.dns_tcp_idle_timeout, self._check_idle)
+        self.timer.start()
 
-    def _check_idle(self) -> None:
+    def _busy(self) -> bool:
+        return self.pending > 0
+
+    def _idle(self) -> None:
         t = self.transport
-        if t is None or t.is_closing():
-            return
-        idle = self.loop.time() - self.last_active
-        timeout = self.limits.dns_tcp_idle_timeout
-        if idle >= timeout and self.pending == 0:
+        if t is not None and not t.is_closing():
             t.close()
-            return
-        self.timer = self.loop.call_later(max(timeout - idle, 0.05), self._check_idle)
 
     def data_received(self, data: bytes) -> None:
         self.inbuf += data
-        self.last_active = self.loop.time()
+        self.timer.touch()
         self._process()
 
     def _process(self) -> None:
@@ -138,17 +133,18 @@ class StreamDnsProtocol(asyncio.Protocol):
                 return
             msg = bytes(buf[2 : 2 + n])
             del buf[: 2 + n]
-            res = self.frontend.query(msg, self.loop.time(), self.peer, done=self._done)
-            if res is Frontend.PENDING:
+            res = self.frontend.query(msg, self.loop.time(), self.peer)
+            if isinstance(res, Ready):
+                self._write(res.buffer)
+            elif res is not None:
                 self.pending += 1
-            elif isinstance(res, Buffer):
-                self._write(res)
+                res.then(self._done)
         self._flush_parked()
 
-    def _done(self, buf: Buffer | None, _age: int) -> None:
+    def _done(self, ready: Ready | None) -> None:
         self.pending -= 1
-        if buf is not None:
-            self._write(buf)
+        if ready is not None:
+            self._write(ready.buffer)
         if self.reading is False and self.writing and self.pending < self.limits.dns_tcp_max_queries:
             self._resume_reading()
             self._process()
@@ -208,8 +204,7 @@ class StreamDnsProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.conns.discard(self)
-        if self.timer is not None:
-            self.timer.cancel()
+        self.timer.cancel()
         if self.inbuf:
             self.stats.error("truncated_frame")
             self.inbuf.clear()
@@ -237,11 +232,62 @@ async def start_udp(pipeline: Pipeline, stats: ListenerStats, host: str,
 async def start_stream(pipeline: Pipeline, stats: ListenerStats, limits: LimitsConfig, host: str, port: int,
                        ssl: Any = None, *, reuse_port: bool = False
                        ) -> tuple[asyncio.Server, set[StreamDnsProtocol]]:
-    loop = asyncio.get_running_loop()
     conns: set[StreamDnsProtocol] = set()
-    server = await loop.create_server(
-        lambda: StreamDnsProtocol(pipeline, stats, limits, conns), host, port, ssl=ssl, backlog=1024,
-        reuse_port=reuse_port or None,
-        ssl_handshake_timeout=limits.dns_tcp_idle_timeout if ssl is not None else None,
-    )
+    server = await serve_stream(lambda: StreamDnsProtocol(pipeline, stats, limits, conns), limits, host, port,
+                                ssl, reuse_port=reuse_port)
     return server, conns
+
+
+# --------------------------------------------------------------------------- listeners
+
+
+class UdpListener(Listener):
+    """`protocol = "udp"`: plain DNS over UDP."""
+
+    scheme = "udp"
+    shared = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.transport: asyncio.DatagramTransport | None = None
+
+    async def _serve(self) -> HostPort:
+        hp = self.cfg.listen
+        self.transport = await start_udp(self.pipeline, self.stats, hp.host, hp.port,
+                                         reuse_port=self.reuse_port)
+        return bound_address(self.transport.get_extra_info("sockname"))
+
+    async def _close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+
+class TcpListener(Listener):
+    """`protocol = "tcp"`: DNS over TCP (RFC 7766)."""
+
+    scheme = "tcp"
+    shared = True
+    alpn: ClassVar[list[str] | None] = None  # TLS with this ALPN (DoT); None: plain TCP
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.server: asyncio.Server | None = None
+
+    async def _serve(self) -> HostPort:
+        ssl = self.ssl_context(self.alpn) if self.alpn is not None else None
+        hp = self.cfg.listen
+        self.server, self.conns = await start_stream(self.pipeline, self.stats, self.limits, hp.host, hp.port,
+                                                     ssl, reuse_port=self.reuse_port)
+        return bound_address(self.server.sockets[0].getsockname())
+
+    async def _close(self) -> None:
+        await self._close_server(self.server)
+        self.server = None
+
+
+class DotListener(TcpListener):
+    """`protocol = "dot"`: DNS over TLS (RFC 7858), the TCP framing inside TLS."""
+
+    scheme = "tls"
+    alpn = ["dot"]

@@ -6,6 +6,15 @@
 hot path: no await per query); `resolve()` goes upstream with coalescing of
 identical questions, timeouts, failover and a bounded number in flight.
 `Frontend` is the per-listener glue: bytes in, a packed pooled Buffer out.
+
+What the pipeline needs from the rest of the node comes in its constructor
+(the node, meshgate/node.py, is the one place that builds it):
+
+- `names`: the mesh's name table (`MeshService.name_table`), read when a
+  `<name>.<zone>` question is answered; None: only this node's own name;
+- `upstream_route`: for a `tcp://` upstream at an address the mesh routes,
+  the connect function that reaches it over a mesh stream (dns/upstream.py,
+  `MeshRoute`); None: every upstream is dialled directly.
 """
 
 from __future__ import annotations
@@ -15,14 +24,14 @@ import ipaddress
 import logging
 import secrets
 from collections.abc import Callable
-from typing import Any
+from ipaddress import IPv4Address, IPv6Address
 
 from meshgate.buffers import Buffer, BufferPool
 from meshgate.config import Config
 from meshgate.dns import wire
 from meshgate.dns.cache import AnswerCache
 from meshgate.dns.stats import ListenerStats
-from meshgate.dns.upstream import Upstream, parse_upstream, resolv_conf_upstreams
+from meshgate.dns.upstream import MeshRoute, Upstream, parse_upstream, resolv_conf_upstreams
 from meshgate.dns.wire import Answer, FormError, Query, WireError
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY
@@ -38,6 +47,11 @@ LOCAL_MEMO_MAX = 4096
 BUFFER_CAPACITY = 4096  # pooled buffer size; larger answers get a one-off buffer
 BUFFER_HEADROOM = 16
 
+# Mesh node name -> (IPv4, IPv6): what `<name>.<zone>` answers (MeshService.name_table's shape;
+# the main process pushes it to DNS workers).
+NameTable = dict[str, tuple[IPv4Address | None, IPv6Address | None]]
+Names = Callable[[], NameTable]
+
 _upstream_errors = REGISTRY.counter(
     "meshgate_dns_upstream_errors_total", "Upstream exchanges that failed", ("upstream", "reason")
 )
@@ -49,11 +63,19 @@ _overload = REGISTRY.counter(
 )
 
 
+def upstream_urls(config: Config) -> list[str]:
+    """The upstreams a pipeline for `config` asks: dns.upstreams, else /etc/resolv.conf's."""
+    return list(config.dns.upstreams) or resolv_conf_upstreams()
+
+
 class Pipeline:
-    def __init__(self, config: Config, node: Any = None, upstreams: list[Upstream] | None = None,
-                 *, pooled: bool = True) -> None:
+    def __init__(self, config: Config, *, names: Names | None = None,
+                 upstream_route: MeshRoute | None = None, upstreams: list[Upstream] | None = None,
+                 pooled: bool = True) -> None:
+        """`upstreams` replaces the configured ones (tests, DNS workers); `pooled` False packs
+        every answer into a one-off buffer (the benchmark's baseline)."""
         self.config = config
-        self.node = node
+        self.names = names
         self.zone = wire.encode_name(config.dns.zone)
         self.cache = AnswerCache(config.dns.cache_size)
         self.timeout = config.limits.dns_timeout
@@ -61,8 +83,8 @@ class Pipeline:
         self.pooled = pooled
         self.pool = BufferPool(BUFFER_CAPACITY, BUFFER_HEADROOM, config.limits.buffer_pool_size)
         if upstreams is None:
-            urls = list(config.dns.upstreams) or resolv_conf_upstreams()
-            upstreams = [parse_upstream(u, limits=config.limits) for u in urls]
+            upstreams = [parse_upstream(u, limits=config.limits, route=upstream_route)
+                         for u in upstream_urls(config)]
         self.upstreams = upstreams
         self._preferred = 0
         self._pending: dict[tuple[bytes, int, int], asyncio.Task[Answer]] = {}
@@ -81,12 +103,10 @@ class Pipeline:
 
     # ------------------------------------------------------------------ local data
 
-    def name_table(self) -> dict[str, tuple[Any, Any]]:
+    def name_table(self) -> NameTable:
         """Mesh node names -> (IPv4, IPv6): what `<name>.<zone>` answers (pushed to DNS workers)."""
-        mesh = getattr(self.node, "mesh", None) if self.node is not None else None
-        if mesh is not None:
-            table: dict[str, tuple[Any, Any]] = mesh.name_table()
-            return table
+        if self.names is not None:
+            return self.names()
         n = self.config.node
         return {n.name: (n.ipv4.ip if n.ipv4 else None, n.ipv6.ip if n.ipv6 else None)}
 
@@ -267,28 +287,78 @@ def _label_boundary(name: bytes, at: int) -> bool:
 # --------------------------------------------------------------------------- listener glue
 
 
+class Ready:
+    """An answer packed now: `buffer` (the caller owns it: recycle it after a successful write,
+    drop it otherwise) and `max_age` (its remaining TTL: DoH's cache-control).
+
+    `Frontend.query` hands back the same Ready for every immediate answer, refilled each time (no
+    allocation per query on the hot path): read it before the Frontend's next query. The one a
+    `Later` finishes with is its own.
+    """
+
+    __slots__ = ("buffer", "max_age")
+
+    def __init__(self, buffer: Buffer, max_age: int) -> None:
+        self.buffer = buffer
+        self.max_age = max_age
+
+
+class Later:
+    """An answer that needs an upstream: `answer` finishes with a Ready, or None when the query
+    was dropped (limits.dns_max_inflight in flight). Await it (DoH, ODoH), or `then()` a callback
+    (the protocol-style listeners). `Frontend.close()` cancels what is still running."""
+
+    __slots__ = ("answer",)
+
+    def __init__(self, answer: asyncio.Task[Ready | None]) -> None:
+        self.answer = answer
+
+    def then(self, callback: Callable[[Ready | None], None]) -> None:
+        """Call `callback` with the outcome once it is known; never if the task was cancelled."""
+        self.answer.add_done_callback(lambda task: _deliver(task, callback))
+
+    def abandon(self) -> None:
+        """The client is gone: stop the work, or drop the answer packed already (never written)."""
+        task = self.answer
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None:
+            ready = task.result()
+            if ready is not None:
+                ready.buffer.drop()
+
+
+def _deliver(task: asyncio.Task[Ready | None], callback: Callable[[Ready | None], None]) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:  # a bug of ours: the query gets no answer, the listener goes on
+        log.error("dns: answering a query failed", exc_info=exc)
+        return
+    callback(task.result())
+
+
+# What Frontend.query gives: a Ready, a Later, or None (dropped: not a DNS message at all).
+QueryResult = Ready | Later | None
+
+
 class Frontend:
     """What every listener does with a query: parse, answer now or later, pack, count.
 
-    `query()` returns a packed Buffer when the answer is known now, None when the
-    query is dropped, or PENDING after scheduling `done(buf, max_age)` for later
-    (`buf` None = dropped). The caller owns the Buffer: it recycles it after a
-    successful write and drops it otherwise.
+    `query()` returns a `Ready` when the answer is known now (its buffer packed), a `Later` when
+    it needs an upstream, or None when the query is dropped without an answer.
     """
-
-    PENDING: Any = object()
 
     def __init__(self, pipeline: Pipeline, stats: ListenerStats, *, limit: int = wire.MAX_MESSAGE) -> None:
         self.pipeline = pipeline
         self.stats = stats
         self.limit = limit
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.max_age = 0  # of the last immediate answer (DoH cache-control)
+        self.tasks: set[asyncio.Task[Ready | None]] = set()
+        self.ready = Ready(Buffer(0, 0), 0)  # the shared result of every immediate answer
 
     def query(self, data: bytes | bytearray | memoryview, now: float, peer: object, *,
               limit: int | None = None, pad: bool = False,
-              check: Callable[[Query], None] | None = None, udp: bool = False,
-              done: Callable[[Buffer | None, int], None] | None = None) -> Any:
+              check: Callable[[Query], None] | None = None, udp: bool = False) -> QueryResult:
         stats = self.stats
         stats.queries.inc()
         lim = self.limit if limit is None else limit
@@ -304,8 +374,10 @@ class Frontend:
             buf = self.pipeline.buffer(1024)
             wire.error_for(buf, e, pad=pad)
             stats.response(e.rcode)
-            self.max_age = 0
-            return buf
+            ready = self.ready
+            ready.buffer = buf
+            ready.max_age = 0
+            return ready
         if check is not None:
             check(q)  # transport rules (DoQ ID 0, ...): raises to reject
         if udp:  # the client's EDNS size, capped to avoid fragmentation (DNS flag day 2020)
@@ -313,30 +385,26 @@ class Frontend:
         pad = pad or q.padding
         ans = self.pipeline.lookup(q, now)
         if ans is not None:
-            return self._pack(ans, q, now, lim, pad)
-        if done is None:
-            return None
-        task = asyncio.get_running_loop().create_task(self._later(q, lim, pad, done))
+            return self._pack(ans, q, now, lim, pad, self.ready)
+        task = asyncio.get_running_loop().create_task(self._later(q, lim, pad))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-        return self.PENDING
+        return Later(task)
 
-    def _pack(self, ans: Answer, q: Query, now: float, limit: int, pad: bool) -> Buffer:
+    def _pack(self, ans: Answer, q: Query, now: float, limit: int, pad: bool, ready: Ready) -> Ready:
         buf = self.pipeline.buffer(wire.packed_size(ans, q, pad))
-        self.max_age = wire.pack_answer(buf, ans, q, now, limit=limit, pad=pad)
+        ready.max_age = wire.pack_answer(buf, ans, q, now, limit=limit, pad=pad)
+        ready.buffer = buf
         self.stats.response(ans.rcode)
-        return buf
+        return ready
 
-    async def _later(self, q: Query, limit: int, pad: bool,
-                     done: Callable[[Buffer | None, int], None]) -> None:
+    async def _later(self, q: Query, limit: int, pad: bool) -> Ready | None:
         ans = await self.pipeline.resolve(q)
         if ans is None:
             self.stats.drop("overload")
-            done(None, 0)
-            return
+            return None
         now = asyncio.get_running_loop().time()
-        buf = self._pack(ans, q, now, limit, pad)
-        done(buf, self.max_age)
+        return self._pack(ans, q, now, limit, pad, Ready.__new__(Ready))
 
     def close(self) -> None:
         for t in list(self.tasks):

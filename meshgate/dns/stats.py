@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 from meshgate.dns.wire import RCODE_NAMES
+from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY, Counter, CounterFamily
+
+rlog = RateLimitedLog(logging.getLogger("meshgate.dns"))
 
 _queries = REGISTRY.counter("meshgate_dns_queries_total", "DNS queries received", ("listener",))
 _responses = REGISTRY.counter(
@@ -55,9 +60,16 @@ class ListenerStats:
             c = self._errors[reason] = _errors.labels(self.name, reason)
         c.inc()
 
+    def refused_connection(self, peer: object, live: int) -> None:
+        """A connection turned away because `live` were open (limits.dns_tcp_max_clients, checked
+        with meshgate.conns.admit by every stream listener: TCP/DoT, DoH/ODoH, DoQ)."""
+        self.drop("max_clients")
+        rlog.debug(f"{self.name} max", "dns %s: refusing %s: %d connections (limits.dns_tcp_max_clients)",
+                   self.name, peer, live)
+
     def snapshot(self) -> dict[str, object]:
         # Read from the families, not this object's own children: with dns.workers > 1 the
-        # counts other processes reported are merged into the same families (dns/worker.py).
+        # counts other processes reported are merged into the same families (dns/worker_pool.py).
         return {
             "queries": self.queries.value,
             "responses": self._by(_responses),

@@ -1,4 +1,4 @@
-"""Upstream resolvers: udp:// (TCP retry on TC), tcp://, tls://host#sni, https://, quic://.
+"""Upstream resolvers: udp:// (TCP retry on TC), tcp://, tls://host#sni, https://, quic://, odoh://.
 
 Each upstream exchanges one wire query for one wire response; validating the
 response against the question is the pipeline's job (wire.parse_response).
@@ -9,20 +9,37 @@ the pooled HTTP/2 client (meshgate/dns/h2client.py). Bounds:
 limits.dns_upstream_max_connections, dns_upstream_max_queries,
 dns_upstream_idle_timeout. Queries on encrypted transports are padded to
 128-byte blocks (RFC 8467).
+
+`UPSTREAMS` is the one registry of URL schemes: scheme -> "module:Class", an
+`Upstream` subclass whose `from_url(url, rest, sni, options)` builds it
+(imported when a URL with that scheme is parsed). Adding a scheme: the class
+(a module of its own, or here), a line in UPSTREAMS, and the scheme in
+config.UPSTREAM_SCHEMES (config validates dns.upstreams without importing
+this package; tests/unit/test_dns_registry.py checks both name the same).
+
+Upstreams the mesh routes: a plain tcp:// upstream at an address another node
+owns or routes (a resolver on its virtual IP, or behind its proxy CIDR) is
+reached over a mesh stream. The node hands parse_upstream a `MeshRoute`: asked
+with the upstream's host each time a connection opens, it returns the connect
+function to use (the node's dialer's), or None to dial directly. Only plain
+TCP goes that way; TLS, DoH, DoQ and UDP upstreams are always dialled directly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import socket
 import ssl
 import struct
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from meshgate.config import LimitsConfig, parse_host_port
+from meshgate.dns.kinds import load_class
 from meshgate.dns.upstream_pool import (
     ConnectionPool,
     DoqConnection,
@@ -32,12 +49,38 @@ from meshgate.dns.upstream_pool import (
     pad_query,
 )
 from meshgate.dns.wire import FLAG_TC
+from meshgate.netfmt import host_port
 from meshgate.tls import client_context
 
-__all__ = ["HttpsUpstream", "QuicUpstream", "TcpUpstream", "UdpUpstream", "Upstream", "UpstreamError",
-           "parse_upstream", "resolv_conf_upstreams"]
+__all__ = ["UPSTREAMS", "Dial", "HttpsUpstream", "MeshRoute", "QuicUpstream", "TcpUpstream", "TlsUpstream",
+           "UdpUpstream", "Upstream", "UpstreamError", "UpstreamOptions", "parse_upstream",
+           "resolv_conf_upstreams"]
 
 DOH_CONTENT_TYPE = b"application/dns-message"
+
+# The dialer's connect: (host, port, protocol factory) -> (transport, protocol, bound address).
+Dial = Callable[[str, int, Callable[[], asyncio.Protocol]],
+                Awaitable[tuple[asyncio.BaseTransport, asyncio.Protocol, tuple[str, int]]]]
+# An upstream host address -> how to reach it over the mesh, or None (not a mesh destination).
+MeshRoute = Callable[[str], Dial | None]
+
+UPSTREAMS: dict[str, str] = {
+    "udp": "meshgate.dns.upstream:UdpUpstream",
+    "tcp": "meshgate.dns.upstream:TcpUpstream",
+    "tls": "meshgate.dns.upstream:TlsUpstream",
+    "https": "meshgate.dns.upstream:HttpsUpstream",
+    "quic": "meshgate.dns.upstream:QuicUpstream",
+    "odoh": "meshgate.dns.odoh_client:OdohUpstream",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class UpstreamOptions:
+    """What parse_upstream passes every upstream kind besides its URL."""
+
+    verify: bool | str = True  # certificate checks: True (system CAs), a CA file, or False (none)
+    limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
+    route: MeshRoute | None = None  # only plain tcp:// uses it
 
 
 def split_host_port(text: str, default_port: int) -> tuple[str, int]:
@@ -48,6 +91,12 @@ def split_host_port(text: str, default_port: int) -> tuple[str, int]:
 
 class Upstream:
     url: str
+
+    @classmethod
+    def from_url(cls, url: str, rest: str, sni: str, options: UpstreamOptions) -> Upstream:
+        """Build one from its URL: `rest` is what follows `scheme://` up to a `#`, `sni` what
+        follows the `#` (empty if none)."""
+        raise NotImplementedError
 
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
         raise NotImplementedError
@@ -77,7 +126,12 @@ class UdpUpstream(Upstream):
         self.url = url
         self.host = host
         self.port = port
-        self.tcp = TcpUpstream(url, host, port, None, None, limits)
+        self.tcp = TcpUpstream(url, host, port, None, None, limits)  # the TC retry: always direct
+
+    @classmethod
+    def from_url(cls, url: str, rest: str, sni: str, options: UpstreamOptions) -> Upstream:
+        host, port = split_host_port(rest, 53)
+        return cls(url, host, port, options.limits)
 
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
         loop = asyncio.get_running_loop()
@@ -105,21 +159,27 @@ def _pool(url: str, opener: Any, limits: LimitsConfig) -> ConnectionPool:
 
 
 class TcpUpstream(Upstream):
-    """tcp:// and tls://: pipelined queries over a few persistent connections."""
+    """tcp:// and tls://: pipelined queries over a few persistent connections.
+
+    `route` (plain TCP only): asked with the host each time a connection opens; a connect
+    function it returns reaches the upstream over a mesh stream instead of directly."""
 
     def __init__(self, url: str, host: str, port: int, ssl_ctx: ssl.SSLContext | None,
-                 sni: str | None, limits: LimitsConfig | None = None) -> None:
+                 sni: str | None, limits: LimitsConfig | None = None, *,
+                 route: MeshRoute | None = None) -> None:
         self.url = url
         self.host = host
         self.port = port
         self.ssl_ctx = ssl_ctx
         self.sni = sni
         self.limits = limits or LimitsConfig()
-        # Set by the node when it is in a mesh: a plain-TCP upstream at an address
-        # the mesh routes (a resolver on another node's virtual IP or behind its
-        # proxy CIDR) is reached over a mesh stream through the node's dialer.
-        self.node: Any = None
+        self.route = route if ssl_ctx is None else None
         self.pool = _pool(url, self._open, self.limits)
+
+    @classmethod
+    def from_url(cls, url: str, rest: str, sni: str, options: UpstreamOptions) -> Upstream:
+        host, port = split_host_port(rest, 53)
+        return cls(url, host, port, None, None, options.limits, route=options.route)
 
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
         if self.ssl_ctx is not None:
@@ -129,24 +189,14 @@ class TcpUpstream(Upstream):
     def close(self) -> None:
         self.pool.close()
 
-    def _via_mesh(self) -> Any:
-        node = self.node
-        if node is None or node.mesh is None or node.dialer is None or self.ssl_ctx is not None:
-            return None
-        try:
-            route = node.mesh.lookup(ipaddress.ip_address(self.host))
-        except ValueError:
-            return None
-        return node.dialer if route is not None else None
-
     async def _open(self) -> PooledConnection:
         max_queries = self.limits.dns_upstream_max_queries
 
         def factory() -> StreamConnection:
             return StreamConnection(max_queries, self.url)
 
-        dialer = self._via_mesh()
-        if dialer is None:
+        dial = self.route(self.host) if self.route is not None else None
+        if dial is None:
             loop = asyncio.get_running_loop()
             _, proto = await loop.create_connection(
                 factory, self.host, self.port, ssl=self.ssl_ctx,
@@ -154,11 +204,21 @@ class TcpUpstream(Upstream):
             )
             return proto
         try:
-            _, mproto, _ = await dialer.connect(self.host, self.port, factory)
+            _, mproto, _ = await dial(self.host, self.port, factory)
         except Exception as e:  # DialError carries the SOCKS-style reason
             raise UpstreamError(f"{self.url} via the mesh: {e}") from None
-        conn: StreamConnection = mproto
-        return conn
+        if not isinstance(mproto, StreamConnection):
+            raise UpstreamError(f"{self.url} via the mesh: the dialer returned {type(mproto).__name__}")
+        return mproto
+
+
+class TlsUpstream(TcpUpstream):
+    """tls://host[:port][#sni]: DNS over TLS (RFC 7858), never via the mesh."""
+
+    @classmethod
+    def from_url(cls, url: str, rest: str, sni: str, options: UpstreamOptions) -> Upstream:
+        host, port = split_host_port(rest, 853)
+        return cls(url, host, port, client_context(options.verify, ["dot"]), sni or host, options.limits)
 
 
 class HttpsUpstream(Upstream):
@@ -181,6 +241,10 @@ class HttpsUpstream(Upstream):
         self.pool = H2Pool(ctx, max_connections=lim.dns_upstream_max_connections,
                            max_streams=lim.dns_upstream_max_queries, max_body=65535)
         self._headers = [(b"content-type", DOH_CONTENT_TYPE), (b"accept", DOH_CONTENT_TYPE)]
+
+    @classmethod
+    def from_url(cls, url: str, rest: str, sni: str, options: UpstreamOptions) -> Upstream:
+        return cls(url, options.verify, options.limits)
 
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
         from meshgate.dns.h2client import H2ClientError
@@ -225,6 +289,11 @@ class QuicUpstream(Upstream):
         self.limits = limits or LimitsConfig()
         self.pool = _pool(url, self._open, self.limits)
 
+    @classmethod
+    def from_url(cls, url: str, rest: str, sni: str, options: UpstreamOptions) -> Upstream:
+        host, port = split_host_port(rest, 853)
+        return cls(url, host, port, options.verify, sni or None, options.limits)
+
     async def exchange(self, wire: bytes, timeout: float) -> bytes:
         return await self.pool.exchange(pad_query(wire), timeout)
 
@@ -265,32 +334,21 @@ class QuicUpstream(Upstream):
         return proto
 
 
-def parse_upstream(url: str, verify: bool | str = True, limits: LimitsConfig | None = None) -> Upstream:
+def upstream_class(scheme: str) -> type[Upstream]:
+    """The class registered for `scheme` (imported now); KeyError if none is."""
+    return load_class(UPSTREAMS, scheme, Upstream)
+
+
+def parse_upstream(url: str, verify: bool | str = True, limits: LimitsConfig | None = None,
+                   route: MeshRoute | None = None) -> Upstream:
     scheme, sep, rest = url.partition("://")
     if not sep:
         raise ValueError(f"{url!r} is not an upstream URL")
-    if scheme == "https":
-        return HttpsUpstream(url, verify, limits)
-    if scheme == "odoh":
-        from meshgate.dns.odoh_client import OdohUpstream  # imports this module: load late
-
-        return OdohUpstream(url, verify)
+    if scheme not in UPSTREAMS:
+        raise ValueError(f"unsupported upstream scheme {scheme!r}")
     rest, _, sni = rest.partition("#")
-    rest = rest.rstrip("/")
-    if scheme == "udp":
-        host, port = split_host_port(rest, 53)
-        return UdpUpstream(url, host, port, limits)
-    if scheme == "tcp":
-        host, port = split_host_port(rest, 53)
-        return TcpUpstream(url, host, port, None, None, limits)
-    if scheme == "tls":
-        host, port = split_host_port(rest, 853)
-        ctx = client_context(verify, ["dot"])
-        return TcpUpstream(url, host, port, ctx, sni or host, limits)
-    if scheme == "quic":
-        host, port = split_host_port(rest, 853)
-        return QuicUpstream(url, host, port, verify, sni or None, limits)
-    raise ValueError(f"unsupported upstream scheme {scheme!r}")
+    options = UpstreamOptions(verify, limits or LimitsConfig(), route)
+    return upstream_class(scheme).from_url(url, rest.rstrip("/"), sni, options)
 
 
 def resolv_conf_upstreams(path: str = "/etc/resolv.conf") -> list[str]:
@@ -308,5 +366,5 @@ def resolv_conf_upstreams(path: str = "/etc/resolv.conf") -> list[str]:
                 ip = ipaddress.ip_address(addr)
             except ValueError:
                 continue
-            out.append(f"udp://[{ip}]:53" if ip.version == 6 else f"udp://{ip}:53")
+            out.append(f"udp://{host_port(ip, 53)}")
     return out

@@ -39,6 +39,7 @@ from typing import Any, Protocol, cast
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic import events as qevents
 
+from meshgate.conns import IdleTimer
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY
 
@@ -346,16 +347,15 @@ class DoqConnection(QuicConnectionProtocol):
 
 
 class _Slot:
-    __slots__ = ("conn", "connecting", "last_used", "load", "retired", "timer", "uses")
+    __slots__ = ("conn", "connecting", "load", "retired", "timer", "uses")
 
-    def __init__(self) -> None:
+    def __init__(self, timer: IdleTimer) -> None:
         self.conn: PooledConnection | None = None
         self.connecting: asyncio.Future[PooledConnection] | None = None
         self.load = 0  # queries in flight or waiting for the connection
         self.uses = 0  # queries ever sent on it
         self.retired = False
-        self.last_used = 0.0
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer = timer  # armed once connected: closes it idle_timeout after its last query
 
 
 Opener = Callable[[], Awaitable[PooledConnection]]
@@ -421,7 +421,7 @@ class ConnectionPool:
             raise
         finally:
             slot.load -= 1
-            slot.last_used = asyncio.get_running_loop().time()
+            slot.timer.touch()
             if slot.retired and slot.load == 0:
                 self._discard(slot)
 
@@ -446,8 +446,7 @@ class ConnectionPool:
 
     def _open(self) -> _Slot:
         loop = asyncio.get_running_loop()
-        slot = _Slot()
-        slot.last_used = loop.time()
+        slot = _Slot(IdleTimer(loop, self.idle_timeout, lambda: self._discard(slot), busy=lambda: slot.load))
         self.slots.append(slot)
         fut: asyncio.Future[PooledConnection] = loop.create_future()
         slot.connecting = fut
@@ -479,26 +478,12 @@ class ConnectionPool:
         slot.conn = conn
         slot.connecting = None
         fut.set_result(conn)
-        slot.timer = asyncio.get_running_loop().call_later(self.idle_timeout, self._check_idle, slot)
-
-    def _check_idle(self, slot: _Slot) -> None:
-        slot.timer = None
-        if slot not in self.slots:
-            return
-        loop = asyncio.get_running_loop()
-        idle = loop.time() - slot.last_used
-        if slot.load == 0 and idle >= self.idle_timeout:
-            self._discard(slot)
-            return
-        # Re-armed lazily: no timer per query, one per connection.
-        slot.timer = loop.call_later(max(self.idle_timeout - idle, 0.05), self._check_idle, slot)
+        slot.timer.start()
 
     def _discard(self, slot: _Slot) -> None:
         with contextlib.suppress(ValueError):
             self.slots.remove(slot)
-        if slot.timer is not None:
-            slot.timer.cancel()
-            slot.timer = None
+        slot.timer.cancel()
         conn, slot.conn = slot.conn, None
         if conn is not None:
             conn.on_close = None

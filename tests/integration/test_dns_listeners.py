@@ -64,8 +64,9 @@ async def start_env(tmp_path: Any, auth: LocalAuthority, **limits: Any) -> Env:
         # busy machine, in the middle of the overload test's loop over five listeners).
         "limits": {"dns_timeout": 60.0, **limits},
     })
-    node = types.SimpleNamespace(config=cfg, mesh=None, resolver=None)
-    svc = service.build(node)
+    pipeline = service.Pipeline(cfg)
+    node = types.SimpleNamespace(config=cfg, mesh=None, resolver=pipeline)
+    svc = service.DnsService(cfg, pipeline)
     await svc.start()
     assert node.resolver is svc.pipeline
     return Env(svc, auth)
@@ -616,7 +617,7 @@ async def test_port_in_use_is_a_startup_error(tmp_path: Any) -> None:
         cfg = from_dict({"node": {"state_dir": str(tmp_path)},
                          "dns": {"upstreams": ["udp://127.0.0.1:9"],
                                  "listener": [{"protocol": "tcp", "listen": f"127.0.0.1:{port}"}]}})
-        svc = service.build(types.SimpleNamespace(config=cfg, mesh=None, resolver=None))
+        svc = service.DnsService(cfg, service.Pipeline(cfg))
         with pytest.raises(StartupError, match=r"dns.listener\[0\].listen: cannot listen on 127.0.0.1:"):
             await svc.start()
     finally:
@@ -682,7 +683,7 @@ async def test_encrypted_upstreams_through_our_own_listeners(env: Env, scheme: s
     if scheme == "tls":
         url += "#localhost"
     cfg = make_config([])
-    p = service.Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None),
+    p = service.Pipeline(cfg,
                          upstreams=[parse_upstream(url, verify=False)])
     r = await ask(p, "www.example.test")
     assert r.answer[0][0].address == "192.0.2.1"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import types
 from collections import Counter
 from typing import Any
 
@@ -148,7 +147,7 @@ def make_config(upstreams: list[str], **limits: Any) -> Config:
 
 
 def make_pipeline(cfg: Config) -> Pipeline:
-    return Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None))
+    return Pipeline(cfg)
 
 
 def query(name: str, rdtype: str = "A", qid: int = 4660) -> wire.Query:
@@ -298,7 +297,7 @@ async def test_mesh_name_table_is_used_when_the_mesh_is_on() -> None:
                 "Beta": (ipaddress.IPv4Address("10.144.144.2"), ipaddress.IPv6Address("fd00::2")),
             }
 
-    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=Mesh()), upstreams=[])
+    p = Pipeline(cfg, names=Mesh().name_table, upstreams=[])
     assert await p.resolve_host("beta.mesh.internal") == ["10.144.144.2", "fd00::2"]
     r = await ask(p, "gamma.mesh.internal")
     assert r.rcode() == dns.rcode.NXDOMAIN

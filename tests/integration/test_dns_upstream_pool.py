@@ -11,7 +11,6 @@ import asyncio
 import socket
 import ssl
 import struct
-import types
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +109,7 @@ def tls_files(tmp_path: Path) -> tuple[Path, Path]:
 def pipeline(url: str, verify: bool | str = False, **limits: Any) -> Pipeline:
     cfg = make_config([], **limits)
     up = parse_upstream(url, verify=verify, limits=cfg.limits)
-    return Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[up])
+    return Pipeline(cfg, upstreams=[up])
 
 
 def counter(name: str, url: str) -> float:
@@ -285,7 +284,7 @@ async def test_dead_and_silent_upstreams_fail_over_within_the_timeout(auth: Loca
     cfg = make_config([], dns_timeout=0.3)
     urls = [f"tcp://127.0.0.1:{dead_port}", f"tcp://127.0.0.1:{silent.port}", f"tcp://127.0.0.1:{good.port}"]
     ups = [parse_upstream(u, limits=cfg.limits) for u in urls]
-    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=ups)
+    p = Pipeline(cfg, upstreams=ups)
     try:
         retired0 = counter("meshgate_dns_upstream_retired_total", urls[1])
         before = {(u, why): errors(u, why) for u in urls for why in ("timeout", "error")}
@@ -309,7 +308,7 @@ async def test_dead_and_silent_upstreams_fail_over_within_the_timeout(auth: Loca
 
 
 async def test_https_upstream_reuses_one_http2_connection(auth: LocalAuthority, tls_files: Any) -> None:
-    back = Pipeline(make_config([auth.url]), types.SimpleNamespace(mesh=None))
+    back = Pipeline(make_config([auth.url]))
     stats = ListenerStats("test-doh-reuse")  # its own label: the counters are process-wide
     app = DohApp(back, stats, "/dns-query")
     limits = back.config.limits
@@ -390,7 +389,7 @@ async def test_quic_upstream_carries_many_streams_on_one_connection(auth: LocalA
 
 
 async def test_https_and_quic_dropped_connections_are_replaced(auth: LocalAuthority, tls_files: Any) -> None:
-    back = Pipeline(make_config([auth.url]), types.SimpleNamespace(mesh=None))
+    back = Pipeline(make_config([auth.url]))
     stats = ListenerStats("test-doh-replaced")
     app = DohApp(back, stats, "/dns-query")
     h2conns: list[H2ServerProtocol] = []
@@ -440,7 +439,7 @@ async def test_dead_https_and_quic_upstreams_fail_over_within_the_timeout(auth: 
     cfg = make_config([], dns_timeout=0.3)
     urls = [f"quic://127.0.0.1:{free_port(socket.SOCK_DGRAM)}", f"https://127.0.0.1:{free_port()}/dns-query",
             f"tcp://127.0.0.1:{good.port}"]
-    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None),
+    p = Pipeline(cfg,
                  upstreams=[parse_upstream(u, verify=False, limits=cfg.limits) for u in urls])
     try:
         before = {(u, why): errors(u, why) for u in urls for why in ("timeout", "error")}

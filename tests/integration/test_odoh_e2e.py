@@ -400,7 +400,8 @@ async def test_proxy_never_sees_query_in_clear(net: Net, tmp_path: Path) -> None
     port = free_port()
     node = _node({"protocol": "odoh", "listen": f"127.0.0.1:{port}", "mode": "proxy", "cert": str(net.cert),
                   "key": str(net.key), "targets": [f"localhost:{net.target}"]}, tmp_path)
-    listener = await build_listener(node, node.config.dns.listeners[0], Pipeline(node.config, upstreams=[]))
+    listener = await build_listener(node.config, node.config.dns.listeners[0],
+                                    Pipeline(node.config, upstreams=[]))
     assert listener.app is not None and listener.app.proxy is not None
     proxy = listener.app.proxy
     proxy.pool.ssl_ctx = client_ssl_context(cafile=str(net.cert))

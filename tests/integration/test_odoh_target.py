@@ -4,7 +4,6 @@ buffers, key rotation overlap, seeded keys, dual-mode routing."""
 from __future__ import annotations
 
 import asyncio
-import types
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +38,7 @@ async def _start(tmp: Path, **listener: Any) -> tuple[OdohListener, Path]:
         "node": {"state_dir": str(tmp)},
         "dns": {"records": {f"{NAME}.": "10.0.0.9"}, "listener": [lst]},
     })
-    node = types.SimpleNamespace(config=cfg)
-    return await build_listener(node, cfg.dns.listeners[0], Pipeline(cfg, upstreams=[])), cert
+    return await build_listener(cfg, cfg.dns.listeners[0], Pipeline(cfg, upstreams=[])), cert
 
 
 async def _conn(listener: OdohListener, cert: Path) -> H2ClientConnection:

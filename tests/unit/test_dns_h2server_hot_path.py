@@ -6,7 +6,6 @@ answer."""
 from __future__ import annotations
 
 import asyncio
-import types
 from typing import Any
 
 import dns.message
@@ -104,7 +103,7 @@ class _Recorder:
 
 async def test_answers_to_one_read_leave_in_one_writelines_one_buffer_each() -> None:
     cfg = from_dict({"node": {"name": "alpha", "ipv4": "10.144.144.1/24"}})
-    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
+    p = Pipeline(cfg, upstreams=[])
     stats = ListenerStats("test-hot-path")
     srv = H2ServerProtocol(DohApp(p, stats), stats, cfg.limits, set())
     t = _Recorder()
@@ -237,7 +236,7 @@ def test_request_head_refuses_malformed_requests(bad: list[tuple[bytes, bytes]])
 
 async def test_a_malformed_request_resets_its_stream_and_the_connection_goes_on() -> None:
     cfg = from_dict({"node": {"name": "alpha", "ipv4": "10.144.144.1/24"}})
-    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
+    p = Pipeline(cfg, upstreams=[])
     stats = ListenerStats("test-malformed")
     srv = H2ServerProtocol(DohApp(p, stats), stats, cfg.limits, set())
     t = _Recorder()

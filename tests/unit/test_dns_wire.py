@@ -8,7 +8,6 @@ import os
 import re
 import socket
 import struct
-import types
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +252,7 @@ def test_doq_framing_rules() -> None:
 
 async def test_doh_app_status_codes_in_process() -> None:
     cfg = from_dict({"node": {"name": "alpha", "ipv4": "10.144.144.1/24"}})
-    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
+    p = Pipeline(cfg, upstreams=[])
     app = DohApp(p, ListenerStats("unit-doh"), "/dns-query")
     ct = [("content-type", "application/dns-message")]
     q = dns.message.make_query("alpha.mesh.internal", "A")
@@ -404,7 +403,7 @@ def test_fuzz_h2_server_never_raises(chunks: list[bytes], prefix: int) -> None:
 
     async def run() -> None:
         cfg = from_dict({"node": {"name": "alpha", "ipv4": "10.144.144.1/24"}})
-        p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
+        p = Pipeline(cfg, upstreams=[])
         stats = ListenerStats("fuzz-doh")
         srv = H2ServerProtocol(DohApp(p, stats), stats, cfg.limits, set())
         t = _FakeTransport()
@@ -425,7 +424,7 @@ def test_fuzz_tcp_stream_never_raises(chunks: list[bytes]) -> None:
 
     async def run() -> None:
         cfg = from_dict({"node": {"name": "alpha", "ipv4": "10.144.144.1/24"}})
-        p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
+        p = Pipeline(cfg, upstreams=[])
         proto = StreamDnsProtocol(p, ListenerStats("fuzz-tcp"), cfg.limits, set())
         t = _FakeTransport()
         proto.connection_made(t)  # type: ignore[arg-type]
@@ -454,7 +453,7 @@ async def test_doq_internal_error_resets_only_that_stream(tmp_path: Path) -> Non
     qcfg = QuicConfiguration(is_client=False, alpn_protocols=["doq"])
     qcfg.load_cert_chain(str(cert), str(key))
     cfg = from_dict({"node": {"name": "alpha"}})
-    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
+    p = Pipeline(cfg, upstreams=[])
     proto = DoqProtocol.__new__(DoqProtocol)
     proto.frontend = Frontend(p, ListenerStats("unit-doq-internal"))
     proto.stats, proto.limits, proto.conns = proto.frontend.stats, cfg.limits, set()
@@ -476,7 +475,7 @@ async def test_doq_internal_error_resets_only_that_stream(tmp_path: Path) -> Non
 
 async def test_udp_listener_has_room_for_a_burst_of_queries() -> None:
     cfg = from_dict({"node": {"name": "t"}})
-    p = Pipeline(cfg, types.SimpleNamespace(config=cfg, mesh=None), upstreams=[])
+    p = Pipeline(cfg, upstreams=[])
     t = await start_udp(p, ListenerStats("udp-rcvbuf"), "127.0.0.1", 0)
     try:
         got = t.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)

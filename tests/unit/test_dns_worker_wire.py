@@ -10,7 +10,7 @@ import json
 import pytest
 
 from meshgate.config import ConfigError, from_dict
-from meshgate.dns import worker
+from meshgate.dns import worker_pool as worker
 from meshgate.metrics import REGISTRY
 
 

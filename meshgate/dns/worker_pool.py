@@ -1,0 +1,380 @@
+"""DNS worker processes: `[dns] workers = N` answers the udp/tcp/dot/doh listeners from N processes.
+
+The node's own process binds every listener with SO_REUSEPORT and starts N-1
+workers (`python -m meshgate.dns.worker FD`) that bind the same addresses, so
+the kernel spreads queries (UDP by source address, TCP/TLS by connection) over
+the processes. Each worker runs the same resolver pipeline on its own event
+loop, with its own cache and upstream connections. The kinds shared are the
+ones whose listener class says `shared` (meshgate/dns/listeners.py); DoQ and
+ODoH listeners stay in the main process.
+
+This module is the main process's side (WorkerPool) and the frames both sides
+speak; the worker process's side is meshgate/dns/worker.py.
+
+One control socket (a socketpair; its fd number is the only argument, so the
+config and the network secret never appear on a command line) carries frames
+of `length(4) kind(1) payload`:
+
+    main -> worker   C  setup (pickle: config, index, loop kind, parent pid), first frame only
+                     N  mesh name table (JSON {name: [ipv4|null, ipv6|null]})
+                     S  stop
+                     A  upstream answer (u32 id, then the response; nothing after the id = failed)
+    worker -> main   R  ready (JSON {"pid", "urls"})    E  could not start (text)
+                     M  counters (JSON [[name, help, labelnames, labels, value], ...])
+                     Q  upstream query (u32 id, then the query)
+
+Upstream queries (cache misses) go through the main process: it is the one
+with the mesh (upstreams at other nodes' addresses are reached over mesh
+streams), and its cache and pooled upstream connections serve every worker,
+so a worker answers exactly what the node itself would.
+
+Counts: a worker reports its counters every REPORT_INTERVAL seconds and when it
+stops; the main process adds the increase since the last report to the same
+metric families, so /metrics, `meshgate stats` and the listener snapshots in
+/status show totals over all processes (what a worker counted since its last
+report is lost if it crashes). A worker dies with the main process
+(PR_SET_PDEATHSIG, and EOF on the control socket); one that exits unexpectedly
+is restarted after a backoff that doubles up to RESTART_BACKOFF_MAX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import ipaddress
+import json
+import logging
+import os
+import pickle
+import socket
+import struct
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import meshgate
+from meshgate.config import Config, DnsListenerConfig
+from meshgate.dns.resolver import Names, NameTable, Pipeline
+from meshgate.errors import StartupError
+from meshgate.metrics import REGISTRY
+
+log = logging.getLogger("meshgate.dns.worker")
+
+REPORT_INTERVAL = 1.0
+READY_TIMEOUT = 20.0
+STOP_TIMEOUT = 3.0
+RESTART_BACKOFF = 0.2
+RESTART_BACKOFF_MAX = 30.0
+STABLE_AFTER = 60.0  # a worker that ran this long before exiting restarts with the shortest backoff
+MAX_FRAME = 16 << 20
+_HEAD = struct.Struct("!IB")
+_ID = struct.Struct("!I")
+
+_worker_queries = REGISTRY.counter(
+    "meshgate_dns_worker_queries_total", "DNS queries received by each worker process (1..N-1)", ("worker",)
+)
+_worker_restarts = REGISTRY.counter(
+    "meshgate_dns_worker_restarts_total", "DNS worker processes restarted after an unexpected exit",
+    ("worker",),
+)
+_parent_refused = REGISTRY.counter(
+    "meshgate_dns_worker_upstream_refused_total",
+    "Upstream queries from workers not taken: limits.dns_max_inflight already in flight",
+)
+_QUERIES = "meshgate_dns_queries_total"
+
+
+# --------------------------------------------------------------------------- control frames
+
+
+def frame(kind: bytes, payload: bytes) -> bytes:
+    return _HEAD.pack(len(payload), kind[0]) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
+    """The next frame, or None at EOF (the other process is gone)."""
+    try:
+        head = await reader.readexactly(_HEAD.size)
+        n, kind = _HEAD.unpack(head)
+        if n > MAX_FRAME:
+            raise ValueError(f"control frame of {n} bytes")
+        return bytes((kind,)), await reader.readexactly(n)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+def encode_names(table: NameTable) -> bytes:
+    return json.dumps({k: [str(v4) if v4 else None, str(v6) if v6 else None]
+                       for k, (v4, v6) in table.items()}, sort_keys=True).encode()
+
+
+def decode_names(payload: bytes) -> NameTable:
+    raw = json.loads(payload)
+    return {str(k): (ipaddress.IPv4Address(v4) if v4 else None, ipaddress.IPv6Address(v6) if v6 else None)
+            for k, (v4, v6) in raw.items()}
+
+
+def counter_snapshot() -> bytes:
+    rows = []
+    for fam in REGISTRY.counter_families():
+        for values, c in fam.children():
+            if c.value:
+                rows.append([fam.name, fam.help, list(fam.labelnames), list(values), c.value])
+    return json.dumps(rows).encode()
+
+
+class CounterMerge:
+    """Adds one worker's reported counters (absolute, since it started) to this process's families."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.last: dict[tuple[str, tuple[str, ...]], int] = {}
+        self.queries: dict[str, int] = {}  # by listener, over every incarnation of this worker
+
+    def restarted(self) -> None:
+        self.last.clear()  # a new process counts from zero
+
+    def apply(self, payload: bytes) -> None:
+        new_queries = 0
+        for name, help_, labelnames, values, value in json.loads(payload):
+            values = [str(v) for v in values]
+            key = (name, tuple(values))
+            delta = int(value) - self.last.get(key, 0)
+            if delta <= 0:
+                continue
+            self.last[key] = int(value)
+            try:
+                REGISTRY.counter(name, help_, tuple(labelnames)).labels(*values).inc(delta)
+            except ValueError as e:  # a name this process registered differently: skip that one
+                log.warning("dns worker %d: cannot merge counter %s%s: %s", self.index, name, values, e)
+                continue
+            if name == _QUERIES and values:
+                new_queries += delta
+                self.queries[values[0]] = self.queries.get(values[0], 0) + delta
+        if new_queries:
+            _worker_queries.labels(str(self.index)).inc(new_queries)
+
+
+# --------------------------------------------------------------------------- main process side
+
+
+def worker_config(config: Config, listeners: list[DnsListenerConfig]) -> Config:
+    """What a worker needs: the DNS settings with the listeners it shares (bound ports, cert paths
+    filled in) and the node's name for the zone; no mesh, network secret or SOCKS users."""
+    from meshgate.config import MeshConfig, Socks5Config
+
+    node = dataclasses.replace(config.node, secret="")
+    dns = dataclasses.replace(config.dns, listeners=tuple(listeners), workers=1)
+    return dataclasses.replace(config, node=node, mesh=MeshConfig(), socks5=Socks5Config(), dns=dns)
+
+
+@dataclasses.dataclass
+class _Worker:
+    index: int
+    merge: CounterMerge
+    proc: asyncio.subprocess.Process | None = None
+    writer: asyncio.StreamWriter | None = None
+    task: asyncio.Task[None] | None = None
+    ready: asyncio.Future[None] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+
+
+class WorkerPool:
+    """The N-1 extra processes of a DNS service: started, fed name tables, restarted, stopped."""
+
+    def __init__(self, config: Config, count: int, names: Names,
+                 changed: Callable[[], None] | None = None,
+                 answer: Callable[[bytes], Awaitable[bytes]] | None = None) -> None:
+        self.config = config
+        self.names = names
+        self.changed = changed  # the main process's own pipeline forgets memoised names too
+        self.answer = answer  # a worker's upstream query -> the response (b"" = failed)
+        self._asks: set[asyncio.Task[None]] = set()
+        self.workers = [_Worker(i, CounterMerge(i)) for i in range(1, count)]
+        self.stopping = False
+        self.started = False  # every worker reported ready once; from then on exits mean restarts
+        self._names_payload = b""
+        self._names: NameTable = {}
+        self._loop_kind = "asyncio"
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Workers run the loop the main process runs (uvloop unless `--loop asyncio`).
+        self._loop_kind = "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+        self._names = self.names()
+        self._names_payload = encode_names(self._names)
+        for w in self.workers:
+            await self._spawn(w)
+        pending = [w.ready for w in self.workers if w.ready is not None]
+        try:
+            async with asyncio.timeout(READY_TIMEOUT):
+                await asyncio.gather(*pending)
+        except TimeoutError:
+            raise StartupError(f"dns.workers: a worker did not start within {READY_TIMEOUT:.0f}s") from None
+        self.started = True
+        self._watch = loop.create_task(self._watch_names())
+
+    async def _spawn(self, w: _Worker) -> None:
+        loop = asyncio.get_running_loop()
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        # The worker imports the same meshgate tree as this process (a checkout or a git ref's copy).
+        root = str(Path(meshgate.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        try:
+            w.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "meshgate.dns.worker", str(child.fileno()),
+                pass_fds=(child.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
+            )
+        finally:
+            child.close()
+        reader, writer = await asyncio.open_unix_connection(sock=parent)
+        w.writer = writer
+        w.started_at = loop.time()
+        w.ready = loop.create_future() if not self.started else None
+        w.merge.restarted()
+        setup = {"config": self.config, "index": w.index, "loop": self._loop_kind, "parent": os.getpid()}
+        writer.write(frame(b"C", pickle.dumps(setup)))
+        writer.write(frame(b"N", self._names_payload))
+        w.task = loop.create_task(self._run(w, reader))
+
+    async def _run(self, w: _Worker, reader: asyncio.StreamReader) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            got = await read_frame(reader)
+            if got is None:
+                break
+            kind, payload = got
+            if kind == b"M":
+                w.merge.apply(payload)
+            elif kind == b"Q":
+                self._ask(w, payload)
+            elif kind == b"R" and w.ready is not None and not w.ready.done():
+                w.ready.set_result(None)
+            elif kind == b"E":
+                text = payload.decode(errors="replace")
+                if not self.started and w.ready is not None and not w.ready.done():
+                    w.ready.set_exception(StartupError(text))
+                else:
+                    log.error("%s", text)  # a restart that failed: retried after the backoff
+        if w.writer is not None:
+            w.writer.close()
+            w.writer = None
+        assert w.proc is not None
+        code = await w.proc.wait()
+        if not self.started:  # the node's start fails (and stops the pool); no restarts
+            if w.ready is not None and not w.ready.done():
+                w.ready.set_exception(StartupError(f"dns worker {w.index} exited with {code} while starting"))
+            return
+        if self.stopping:
+            return
+        ran = loop.time() - w.started_at
+        delay = RESTART_BACKOFF if ran >= STABLE_AFTER else min(
+            RESTART_BACKOFF * 2 ** min(w.restarts, 16), RESTART_BACKOFF_MAX)
+        w.restarts += 1
+        _worker_restarts.labels(str(w.index)).inc()
+        log.warning("dns worker %d (pid %d) exited with %s after %.1fs; restarting in %.1fs",
+                    w.index, w.proc.pid, code, ran, delay)
+        await asyncio.sleep(delay)
+        if self.stopping:
+            return
+        try:
+            await self._spawn(w)
+        except OSError as e:
+            log.error("dns worker %d: cannot restart: %s", w.index, e)
+
+    def _ask(self, w: _Worker, payload: bytes) -> None:
+        if self.answer is None or len(payload) < _ID.size:
+            return
+        if len(self._asks) >= self.config.limits.dns_max_inflight:
+            _parent_refused.inc()  # the worker's exchange times out and it answers SERVFAIL
+            return
+        task = asyncio.get_running_loop().create_task(self._reply(w, payload))
+        self._asks.add(task)
+        task.add_done_callback(self._asks.discard)
+
+    async def _reply(self, w: _Worker, payload: bytes) -> None:
+        assert self.answer is not None
+        try:
+            resp = await self.answer(payload[_ID.size:])
+        except Exception as e:  # never let one query take down the control channel
+            log.debug("dns worker %d: upstream query failed: %r", w.index, e)
+            resp = b""
+        if w.writer is not None and not w.writer.is_closing():
+            w.writer.write(frame(b"A", payload[:_ID.size] + resp))
+
+    async def _watch_names(self) -> None:
+        # The mesh has no change callback for names: compare the table every REPORT_INTERVAL
+        # (cheap: one dict build) and push only a change.
+        while not self.stopping:
+            await asyncio.sleep(REPORT_INTERVAL / 4)
+            self.push_names(self.names())
+
+    def push_names(self, table: NameTable) -> None:
+        if table == self._names:
+            return  # compared as dicts: encoding a large table four times a second would cost more
+        self._names = table
+        payload = self._names_payload = encode_names(table)
+        if self.changed is not None:
+            self.changed()
+        for w in self.workers:
+            if w.writer is not None and not w.writer.is_closing():
+                w.writer.write(frame(b"N", payload))
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+        for t in list(self._asks):
+            t.cancel()
+        for w in self.workers:
+            if w.writer is not None and not w.writer.is_closing():
+                w.writer.write(frame(b"S", b""))
+        for w in self.workers:
+            if w.proc is None or w.proc.returncode is not None:
+                continue
+            try:
+                async with asyncio.timeout(STOP_TIMEOUT):
+                    await w.proc.wait()
+            except TimeoutError:
+                log.warning("dns worker %d (pid %d) did not stop in %.0fs: killed", w.index, w.proc.pid,
+                            STOP_TIMEOUT)
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()
+                await w.proc.wait()
+        for w in self.workers:
+            if w.task is not None:
+                # The reader drains the final counter report before it sees EOF.
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                    async with asyncio.timeout(STOP_TIMEOUT):
+                        await w.task
+                if not w.task.done():
+                    w.task.cancel()
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers if w.proc is not None and w.proc.returncode is None]
+
+    def status(self) -> dict[str, Any]:
+        return {str(w.index): {"pid": w.proc.pid if w.proc else None, "queries": w.merge.queries,
+                               "restarts": w.restarts} for w in self.workers}
+
+
+async def answer_for_worker(pipeline: Pipeline, data: bytes) -> bytes:
+    """The main process's answer to a worker's upstream query: its own pipeline (local
+    names, shared cache, then its upstreams, coalesced), packed under the worker's ID."""
+    from meshgate.dns import wire
+
+    q = wire.parse_query(data)
+    now = asyncio.get_running_loop().time()
+    ans = pipeline.lookup(q, now) or await pipeline.resolve(q)
+    if ans is None:
+        return b""  # too many queries in flight: the worker fails over like on a timeout
+    buf = pipeline.buffer(wire.packed_size(ans, q, False))
+    wire.pack_answer(buf, ans, q, asyncio.get_running_loop().time())
+    out = bytes(buf.view())
+    buf.recycle()
+    return out
