@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import binascii
 from collections.abc import Awaitable
-from typing import Any
 
 from meshgate.buffers import Buffer
 from meshgate.config import HostPort
@@ -128,11 +127,8 @@ class DohListener(Listener):
     scheme = "https"
     has_path = True
     shared = True
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.server: asyncio.Server | None = None
-        self.conns: set[H2ServerProtocol] = set()
+    server: asyncio.Server | None = None
+    conns: set[H2ServerProtocol]
 
     async def _serve(self) -> HostPort:
         ssl = self.ssl_context(["h2"])
@@ -142,6 +138,6 @@ class DohListener(Listener):
                                                  reuse_port=self.reuse_port)
         return bound_address(self.server.sockets[0].getsockname())
 
-    async def _close(self) -> None:
+    async def stop(self) -> None:
         await self._close_server(self.server)
         self.server = None

@@ -330,11 +330,8 @@ class DoqListener(Listener):
     (a QUIC connection's packets must all reach the process holding its state)."""
 
     scheme = "quic"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.server: QuicServer | None = None
-        self.conns: set[DoqProtocol] = set()
+    server: QuicServer | None = None
+    conns: set[DoqProtocol]
 
     async def _serve(self) -> HostPort:
         cert, key = self.tls_files()
@@ -344,7 +341,7 @@ class DoqListener(Listener):
         t = self.server._transport
         return bound_address(t.get_extra_info("sockname")) if t is not None else hp
 
-    async def _close(self) -> None:
+    async def stop(self) -> None:
         if self.server is not None:
             self.server.close()  # closes every connection it holds
             self.server = None

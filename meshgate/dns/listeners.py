@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -49,7 +50,7 @@ def listener_class(protocol: str) -> type[Listener]:
 
 class Listener:
     """One [[dns.listener]] in front of the pipeline. Subclasses set `scheme` (their URL's) and
-    implement `_serve()` (bind, serve, return the bound address) and `_close()`."""
+    implement `_serve()` (bind and serve; return the bound address) and `stop()`."""
 
     scheme: ClassVar[str]
     has_path: ClassVar[bool] = False  # the URL ends with the listener's `path` (DoH, ODoH)
@@ -108,7 +109,7 @@ class Listener:
                 self._tls = (str(cert), str(key))
         return self._tls
 
-    def ssl_context(self, alpn: list[str]) -> Any:
+    def ssl_context(self, alpn: list[str]) -> ssl.SSLContext:
         cert, key = self.tls_files()
         return tls.server_context(Path(cert), Path(key), alpn=alpn)
 
@@ -125,9 +126,6 @@ class Listener:
         raise NotImplementedError
 
     async def stop(self) -> None:
-        await self._close()
-
-    async def _close(self) -> None:
         raise NotImplementedError
 
     async def _close_server(self, server: asyncio.AbstractServer | None) -> None:

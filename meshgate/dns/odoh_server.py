@@ -104,14 +104,14 @@ class OdohListener(Listener):
 
     scheme = "https"
     has_path = True
+    app: OdohApp | None = None
+    server: asyncio.Server | None = None
+    conns: set[H2ServerProtocol]
+    timer: asyncio.TimerHandle | None = None  # the next key rotation
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.name = f"odoh-{self.cfg.mode}"
-        self.app: OdohApp | None = None
-        self.server: asyncio.Server | None = None
-        self.conns: set[H2ServerProtocol] = set()
-        self.timer: asyncio.TimerHandle | None = None
+    @property
+    def name(self) -> str:
+        return f"odoh-{self.cfg.mode}"
 
     def stats_name(self, hp: HostPort) -> str:
         return f"odoh://{hp}{self.cfg.path}"
@@ -139,7 +139,7 @@ class OdohListener(Listener):
 
         self.timer = asyncio.get_running_loop().call_later(period, rotate)
 
-    async def _close(self) -> None:
+    async def stop(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

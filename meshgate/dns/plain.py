@@ -246,10 +246,7 @@ class UdpListener(Listener):
 
     scheme = "udp"
     shared = True
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.transport: asyncio.DatagramTransport | None = None
+    transport: asyncio.DatagramTransport | None = None
 
     async def _serve(self) -> HostPort:
         hp = self.cfg.listen
@@ -257,7 +254,7 @@ class UdpListener(Listener):
                                          reuse_port=self.reuse_port)
         return bound_address(self.transport.get_extra_info("sockname"))
 
-    async def _close(self) -> None:
+    async def stop(self) -> None:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
@@ -269,10 +266,7 @@ class TcpListener(Listener):
     scheme = "tcp"
     shared = True
     alpn: ClassVar[list[str] | None] = None  # TLS with this ALPN (DoT); None: plain TCP
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.server: asyncio.Server | None = None
+    server: asyncio.Server | None = None
 
     async def _serve(self) -> HostPort:
         ssl = self.ssl_context(self.alpn) if self.alpn is not None else None
@@ -281,7 +275,7 @@ class TcpListener(Listener):
                                                      ssl, reuse_port=self.reuse_port)
         return bound_address(self.server.sockets[0].getsockname())
 
-    async def _close(self) -> None:
+    async def stop(self) -> None:
         await self._close_server(self.server)
         self.server = None
 
