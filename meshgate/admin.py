@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from meshgate.config import Config
 from meshgate.errors import bind_error
 from meshgate.metrics import REGISTRY
+from meshgate.netfmt import host_port
 
 if TYPE_CHECKING:  # a node without the mesh does not load it
     from meshgate.mesh.service import MeshService
@@ -58,7 +59,7 @@ class AdminService:
     def address(self) -> str:
         assert self.server is not None
         host, port = self.server.sockets[0].getsockname()[:2]
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return host_port(host, port)
 
     async def stop(self) -> None:
         if self.server is not None:

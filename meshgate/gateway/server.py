@@ -28,6 +28,7 @@ from meshgate.gateway import socks5
 from meshgate.gateway.udp import UdpAssociation
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY, LocalCounter
+from meshgate.netfmt import host_port
 
 if TYPE_CHECKING:
     from meshgate.egress.dialer import Dialer
@@ -97,8 +98,7 @@ class ReadBuffer:
 def _peer_text(peer: Any) -> str:
     if not peer:
         return "?"
-    host, port = peer[0], peer[1]
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return host_port(peer[0], peer[1])
 
 
 class Socks5Server:

@@ -49,6 +49,7 @@ from meshgate.mesh.frames import HELLO, LinkError, encode_hello
 from meshgate.mesh.links import LinkBase, LinkOwner
 from meshgate.mesh.udp_session import KIND_DATA, KIND_INIT, UdpSession, is_init, payload_size, receiver_id
 from meshgate.metrics import REGISTRY, LocalCounter
+from meshgate.netfmt import host_port
 
 log = logging.getLogger("meshgate.mesh.udp")
 _rlog = RateLimitedLog(log)
@@ -89,7 +90,7 @@ _fragmented = REGISTRY.counter(
 
 
 def _fmt_addr(addr: Any) -> str:
-    return f"[{addr[0]}]:{addr[1]}" if ":" in str(addr[0]) else f"{addr[0]}:{addr[1]}"
+    return host_port(addr[0], addr[1])
 
 
 def _sock_buffers(sock: socket.socket) -> None:
