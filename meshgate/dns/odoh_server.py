@@ -23,6 +23,7 @@ from typing import Any
 
 from meshgate.config import Config, DnsListenerConfig, HostPort, LimitsConfig
 from meshgate.dns import odoh
+from meshgate.dns.doh import DohApp
 from meshgate.dns.h2server import H2ServerProtocol, Response, start_h2
 from meshgate.dns.listeners import Listener, bound_address
 from meshgate.dns.odoh_proxy import OdohProxy
@@ -49,11 +50,7 @@ class OdohApp:
         self.stats = stats
         self.target = OdohTarget(cfg, limits, pipeline, stats) if cfg.mode in ("target", "dual") else None
         self.proxy = OdohProxy(cfg, limits) if cfg.mode in ("proxy", "dual") else None
-        self.doh: Any = None
-        if cfg.allow_doh and self.target is not None:
-            from meshgate.dns.doh import DohApp
-
-            self.doh = DohApp(pipeline, stats, cfg.path)
+        self.doh = DohApp(pipeline, stats, cfg.path) if cfg.allow_doh and self.target is not None else None
 
     def __call__(self, method: str, path: str, headers: list[tuple[str, str]],
                  body: bytes) -> Response | Awaitable[Response]:
@@ -75,7 +72,7 @@ class OdohApp:
         if method == "POST" and ctype == odoh.MEDIA_TYPE:
             return self.target.answer(body)
         if self.doh is not None:
-            return self.doh(method, path, headers, body)  # type: ignore[no-any-return]
+            return self.doh(method, path, headers, body)
         if method != "POST":
             self.stats.error("http_405")
             return _error(405, "ODoH takes POST only\n", ("allow", "POST"))
