@@ -21,7 +21,7 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic import events as qevents
 from aioquic.quic.configuration import QuicConfiguration
 
-from meshgate import tls
+from meshgate import tls as certs
 from meshgate.dns import wire
 from meshgate.dns.doh import DohApp
 from meshgate.dns.h2server import H2ServerProtocol
@@ -103,7 +103,7 @@ async def auth() -> Any:
 
 @pytest.fixture
 def tls_files(tmp_path: Path) -> tuple[Path, Path]:
-    return tls.ensure_self_signed(tmp_path / "certs")
+    return certs.ensure_self_signed(tmp_path / "certs")
 
 
 def pipeline(url: str, verify: bool | str = False, **limits: Any) -> Pipeline:
@@ -173,7 +173,7 @@ def test_query_padding_to_128_byte_blocks() -> None:
 
 @pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
 async def test_many_queries_share_one_connection(auth: LocalAuthority, tls_files: Any, tls: bool) -> None:
-    ctx = tls.server_context(*tls_files, alpn=["dot"]) if tls else None
+    ctx = certs.server_context(*tls_files, alpn=["dot"]) if tls else None
     srv = await StreamAuthority(auth, ctx).start()
     url = f"tls://127.0.0.1:{srv.port}#localhost" if tls else f"tcp://127.0.0.1:{srv.port}"
     p = pipeline(url, verify=str(tls_files[0]))
@@ -319,7 +319,7 @@ async def test_https_upstream_reuses_one_http2_connection(auth: LocalAuthority, 
         accepted += 1
         return H2ServerProtocol(app, stats, limits, set())
 
-    ctx = tls.server_context(*tls_files, alpn=["h2"])
+    ctx = certs.server_context(*tls_files, alpn=["h2"])
     server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0, ssl=ctx)
     port = server.sockets[0].getsockname()[1]
     p = pipeline(f"https://localhost:{port}/dns-query", verify=str(tls_files[0]))
@@ -398,7 +398,7 @@ async def test_https_and_quic_dropped_connections_are_replaced(auth: LocalAuthor
         h2conns.append(H2ServerProtocol(app, stats, back.config.limits, set()))
         return h2conns[-1]
 
-    ctx = tls.server_context(*tls_files, alpn=["h2"])
+    ctx = certs.server_context(*tls_files, alpn=["h2"])
     h2srv = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0, ssl=ctx)
     DoqTestServer.accepted = 0
     DoqTestServer.auth = auth

@@ -11,13 +11,14 @@ import resource
 import socket
 import struct
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from python_socks import ProxyError
 from python_socks.async_.asyncio import Proxy
 
-from meshgate.config import AdminConfig, Config, HostPort, LimitsConfig, Socks5Config, User
+from meshgate.config import AdminConfig, Config, HostPort, LimitsConfig, NodeConfig, Socks5Config, User
 from meshgate.gateway.server import ClientProtocol
 from meshgate.gateway.service import Socks5Service
 from meshgate.metrics import REGISTRY
@@ -814,15 +815,16 @@ async def _burst_waves(p: Portal, eport: int, echo_open: set[asyncio.StreamWrite
 # --------------------------------------------------------------------------- service
 
 
-async def test_status_names_the_real_address_and_port_in_use_is_a_startup_error() -> None:
+async def test_status_names_the_real_address_and_port_in_use_is_a_startup_error(tmp_path: Path) -> None:
     from meshgate.errors import StartupError
 
     async with portal() as p:
         st = p.svc.status()
         assert st["listen"] == f"127.0.0.1:{p.port}"
         assert any(f"port {p.port}" in n for n in st["notes"])
-        taken = Config(
-            socks5=Socks5Config(listen=HostPort("127.0.0.1", p.port)), admin=AdminConfig(enable=False)
+        taken = Config(  # a node of its own (own state_dir), on the port the portal holds
+            node=NodeConfig(state_dir=str(tmp_path)),
+            socks5=Socks5Config(listen=HostPort("127.0.0.1", p.port)), admin=AdminConfig(enable=False),
         )
         with pytest.raises(StartupError) as ei:
             await Node(taken).start()
