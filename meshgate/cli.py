@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from meshgate import __version__, config, logs
 from meshgate.loop import new_loop
+
+log = logging.getLogger("meshgate")
 
 if TYPE_CHECKING:  # `meshgate check-config` and the queries load no services
     from meshgate.node import Node
@@ -78,11 +81,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     status = EXIT_OK
     for path in args.files:
         try:
-            config.load(path)
+            cfg = config.load(path)
         except config.ConfigError as e:
             _print_config_error(e)
             status = EXIT_CONFIG
         else:
+            for w in config.warnings(cfg):
+                print(f"{path}:{w.key}: warning: {w.message}", file=sys.stderr)
             print(f"{path}: ok")
     return status
 
@@ -130,6 +135,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"meshgate: --doh/--doq/--dns: {e}", file=sys.stderr)
         return EXIT_CONFIG
     logs.setup(cfg.log_level)
+    for w in config.warnings(cfg):
+        log.warning("%s: %s", w.key, w.message)
     loop = new_loop(args.loop)
     try:
         return loop.run_until_complete(_serve(cfg))
@@ -178,6 +185,13 @@ def _cell(v: Any) -> str:
     if isinstance(v, dict):
         return json.dumps(v)
     return "-" if v is None else str(v)
+
+
+def cmd_secret(args: argparse.Namespace) -> int:
+    from meshgate import netsecret
+
+    print(netsecret.new_secret())
+    return EXIT_OK
 
 
 def cmd_dns(args: argparse.Namespace) -> int:
@@ -246,6 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ports", metavar="SOCKS5,DOH,DOQ,ADMIN", help="default 1080,8443,8853,15888")
     demo.add_argument("--prefix", default="mgdemo", help="name prefix for namespaces and links")
     demo.set_defaults(func=cmd_demo)
+
+    sec = sub.add_parser("secret", help="network secrets")
+    ssub = sec.add_subparsers(dest="secret_command", required=True)
+    sn = ssub.add_parser("new", help="print a new random network secret (256 bits)")
+    sn.set_defaults(func=cmd_secret)
 
     v = sub.add_parser("version")
     v.set_defaults(func=lambda _a: print(f"meshgate {__version__}") or 0)

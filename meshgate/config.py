@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+from meshgate import netsecret
 from meshgate.netfmt import host_port
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -716,6 +717,21 @@ def _check_ports(r: _Reader, socks5: Socks5Config, dns: DnsConfig, admin: AdminC
         claim("tcp", admin.listen, "admin.listen")
     for i, lst in enumerate(dns.listeners):
         claim(DNS_LISTENER_KINDS[lst.protocol].socket, lst.listen, f"dns.listener[{i}].listen")
+
+
+def warnings(cfg: Config) -> list[ConfigProblem]:
+    """What is allowed but unwise; check-config prints these, `meshgate run` logs them."""
+    out: list[ConfigProblem] = []
+    secret = cfg.node.secret
+    if secret and (cfg.mesh.listen or cfg.mesh.peers):
+        bits = netsecret.estimated_bits(secret)
+        if bits < netsecret.WEAK_BITS:
+            out.append(ConfigProblem(
+                "node.secret",
+                f"weak (about {bits:.0f} bits): whoever answers one of this node's dials can test"
+                " guesses offline; `meshgate secret new` makes a 256-bit one",
+            ))
+    return out
 
 
 def default_listeners() -> tuple[DnsListenerConfig, ...]:

@@ -21,19 +21,19 @@ chunks for the adapter to write with one `writelines`.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.kdf.argon2 import Argon2id
 
 from meshgate.mesh.noise import HandshakeState, NoiseError, generate_private, rekey_key
 
 MAGIC = b"MGMx"
-VERSION = 1
+VERSION = 2  # 2: the PSK comes from Argon2id (1 used HKDF); docs/PROTOCOL.md section 8
 PREFACE = MAGIC + bytes((VERSION, 0))
 NOISE_PATTERN = "XXpsk3"
 
@@ -88,10 +88,21 @@ class LinkError(Exception):
         self.reason = reason  # short, for a counter label
 
 
+# Argon2id cost (RFC 9106; the OWASP baseline for interactive use): 19 MiB, 2 passes, one
+# lane. A node pays it once per process start (~45 ms here); an offline guesser pays it per
+# guess. Changing it changes every PSK: it is part of the protocol version.
+PSK_MEMORY_KIB = 19 * 1024
+PSK_ITERATIONS = 2
+PSK_LANES = 1
+PSK_SALT = b"meshgate mesh psk v2|"
+
+
+@functools.lru_cache(maxsize=8)  # once per process start for each network (tests run many nodes)
 def derive_psk(network: str, secret: str) -> bytes:
-    """PSK = HKDF-SHA256(secret, salt=network name, info="meshgate mesh psk v1")."""
-    return HKDF(
-        algorithm=hashes.SHA256(), length=32, salt=network.encode(), info=b"meshgate mesh psk v1"
+    """PSK = Argon2id(secret, salt = "meshgate mesh psk v2|" || network name), 32 bytes."""
+    return Argon2id(
+        salt=PSK_SALT + network.encode(), length=32, iterations=PSK_ITERATIONS, lanes=PSK_LANES,
+        memory_cost=PSK_MEMORY_KIB,
     ).derive(secret.encode())
 
 
@@ -321,7 +332,11 @@ class LinkCodec:
             if buf[:4] != MAGIC:
                 raise LinkError("bad_magic", "not a meshgate link")
             if buf[4] != VERSION:
-                raise LinkError("bad_version", f"unsupported protocol version {buf[4]}")
+                if not self.initiator:
+                    # answer with our own preface, so the older (or newer) peer reports the
+                    # versions instead of waiting for a reply that never comes
+                    self._out.append(PREFACE)
+                raise LinkError("bad_version", f"peer speaks protocol version {buf[4]}, this node {VERSION}")
             del buf[: len(PREFACE)]
             self._got_preface = True
         while self._hs is not None and len(buf) >= 2:

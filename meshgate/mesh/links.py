@@ -146,6 +146,11 @@ class LinkBase:
         if not self._failed and self.peer is None:
             self._failed = True
             self.owner.link_failed(self, reason)
+        if reason == "bad_version":
+            # an operator's problem (nodes on different releases), not noise: say it at warning
+            _rlog.warning("bad_version", "link %s refused: %s", self.url, message)
+            self.close()  # flushes our preface, so the peer learns our version too
+            return
         _rlog.debug(f"link:{self.url}", "link %s closed: %s", self.url, message)
         self.abort()
 

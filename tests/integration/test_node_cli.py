@@ -137,3 +137,22 @@ def test_a_second_node_on_one_state_dir_exits_2_naming_it(tmp_path: Path) -> Non
     finally:
         third.send_signal(signal.SIGTERM)
         assert third.wait(timeout=30) == 0
+
+
+def _meshgate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "meshgate", *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+
+
+def test_secret_new_is_random_and_check_config_warns_about_weak_ones(tmp_path: Path) -> None:
+    made = [_meshgate("secret", "new") for _ in range(2)]
+    secrets_made = [m.stdout.strip() for m in made]
+    assert all(m.returncode == 0 for m in made) and secrets_made[0] != secrets_made[1]
+    assert all(len(s) == 43 and s.replace("-", "").replace("_", "").isalnum() for s in secrets_made)
+    cfg = tmp_path / "mesh.toml"
+    for secret, weak in ((secrets_made[0], False), ("sunshine1", True), ("aaaaaaaaaaaaaaaaaaaaaaaa", True)):
+        cfg.write_text(f'[node]\nsecret = "{secret}"\n[mesh]\nlisten = ["tcp://127.0.0.1:0"]\n')
+        run = _meshgate("check-config", str(cfg))
+        assert run.returncode == 0 and f"{cfg}: ok" in run.stdout  # a warning, not a refusal
+        assert ("node.secret: warning: weak" in run.stderr) is weak, run.stderr
+        assert secret not in run.stdout + run.stderr  # the secret itself is never printed

@@ -174,6 +174,41 @@ def test_wrong_network_fails_at_message_one_and_responder_says_nothing() -> None
     assert b.data_to_send() == []
 
 
+def test_psk_is_argon2id_as_the_reference_implementation_computes_it() -> None:
+    # argon2-cffi wraps the reference C implementation (RFC 9106); ours goes through OpenSSL
+    from argon2.low_level import Type, hash_secret_raw
+
+    for network, secret in (("testnet", "correct horse battery"), ("home", "yjFTKuTM27if2d0ET7UxcmuR3pjq")):
+        want = hash_secret_raw(
+            secret.encode(), b"meshgate mesh psk v2|" + network.encode(), time_cost=2,
+            memory_cost=19 * 1024, parallelism=1, hash_len=32, type=Type.ID,
+        )
+        assert derive_psk(network, secret) == want
+    # pinned: a change of cost or salt is a change of protocol (docs/PROTOCOL.md section 1)
+    assert derive_psk("testnet", "correct horse battery").hex() == (
+        "939f1017d6d4bf1afdaf08244f3ddcddc9ccfdd2d61e8bf85f58b4ee847d9b7d"
+    )
+    assert derive_psk("testnet", "correct horse battery") != derive_psk("testnet2", "correct horse battery")
+
+
+def test_a_peer_on_another_protocol_version_is_told_ours() -> None:
+    # An old (version 1) initiator gets our preface back before the link closes, so both sides
+    # can log the two versions instead of one side waiting on a handshake that never comes.
+    responder = _codec(False, [])
+    with pytest.raises(LinkError) as e:
+        responder.receive(PREFACE[:4] + bytes([1, 0]) + b"\x00\x20" + bytes(32))
+    assert e.value.reason == "bad_version"
+    assert "peer speaks protocol version 1, this node 2" in str(e.value)
+    assert responder.data_to_send() == [PREFACE] and PREFACE[4] == 2
+    # an initiator that meets another version sends nothing more
+    initiator = _codec(True, [])
+    initiator.start()
+    initiator.data_to_send()
+    with pytest.raises(LinkError):
+        initiator.receive(PREFACE[:4] + bytes([3, 0]))
+    assert initiator.data_to_send() == []
+
+
 def test_bad_magic_and_version() -> None:
     with pytest.raises(LinkError) as e:
         _codec(False, []).receive(b"GET / HTTP/1.1\r\n")
