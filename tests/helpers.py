@@ -144,3 +144,36 @@ def sha256(data: bytes) -> str:
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+class UdpEcho:
+    """A loopback UDP echo server on a raw socket (asyncio's sendto skips empty datagrams):
+    sends each datagram back to its source behind `prefix`, and remembers what it received
+    (`received`) and from where (`peers`)."""
+
+    def __init__(self, host: str = "127.0.0.1", prefix: bytes = b"") -> None:
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(fam, socket.SOCK_DGRAM)
+        self.sock.bind((host, 0))
+        self.sock.setblocking(False)
+        self.address: tuple[str, int] = self.sock.getsockname()[:2]
+        self.port = self.address[1]
+        self.prefix = prefix
+        self.received: list[bytes] = []
+        self.peers: list[tuple[str, int]] = []
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(self.sock.fileno(), self._read)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data, addr = self.sock.recvfrom(65536)
+            except BlockingIOError:
+                return
+            self.received.append(data)
+            self.peers.append(addr[:2])
+            self.sock.sendto(self.prefix + data, addr)
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.sock.fileno())
+        self.sock.close()

@@ -16,7 +16,7 @@ import socks
 from meshgate.config import AdminConfig, Config, HostPort, Socks5Config, User
 from meshgate.metrics import REGISTRY
 from meshgate.node import Node
-from tests.helpers import async_wait_until, require_module, require_tool, sha256
+from tests.helpers import UdpEcho, async_wait_until, require_module, require_tool, sha256
 
 pytestmark = [
     pytest.mark.e2e,
@@ -170,31 +170,6 @@ async def test_headless_chromium_loads_page_through_portal() -> None:
         assert connects() >= before + 1
 
 
-class UdpEcho:
-    """A loopback UDP echo server on a raw socket (asyncio's sendto skips empty datagrams),
-    sending every datagram back to its source and remembering who sent it."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.setblocking(False)
-        self.address: tuple[str, int] = self.sock.getsockname()
-        self.peers: list[tuple[str, int]] = []
-        self.loop = asyncio.get_running_loop()
-        self.loop.add_reader(self.sock.fileno(), self._read)
-
-    def _read(self) -> None:
-        while True:
-            try:
-                data, addr = self.sock.recvfrom(65536)
-            except BlockingIOError:
-                return
-            self.peers.append(addr)
-            self.sock.sendto(data, addr)
-
-    def close(self) -> None:
-        self.loop.remove_reader(self.sock.fileno())
-        self.sock.close()
 
 
 def udp_datagrams(direction: str) -> float:

@@ -200,11 +200,12 @@ async def test_dns_upstream_on_another_node_is_reached_over_the_mesh(tmp_path: A
 async def test_udp_associate_over_the_mesh(line: dict[str, Node]) -> None:
     import socket
 
-    from tests.integration.test_socks5_server import UdpEcho, read_reply, request, udp_exchange, udp_header
+    from tests.helpers import UdpEcho
+    from tests.integration.test_socks5_server import read_reply, request, udp_exchange, udp_header
 
     svc = next(s for s in line["a"].services if s.name == "socks5")
     addr = svc.address  # type: ignore[attr-defined]
-    echo = UdpEcho("127.0.0.1")
+    echo = UdpEcho("127.0.0.1", prefix=b"echo:")
     client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     client.bind(("127.0.0.1", 0))
     client.setblocking(False)

@@ -23,7 +23,7 @@ from meshgate.gateway.server import ClientProtocol
 from meshgate.gateway.service import Socks5Service
 from meshgate.metrics import REGISTRY
 from meshgate.node import Node
-from tests.helpers import async_wait_until, can_bind, open_fds, require, require_module
+from tests.helpers import UdpEcho, async_wait_until, can_bind, open_fds, require, require_module
 
 # pytest-asyncio 1.x prefers a conftest hook for loop factories; a module-local
 # policy fixture keeps this choice inside this file.
@@ -555,31 +555,6 @@ async def test_max_clients_refuses_beyond_the_limit() -> None:
 # --------------------------------------------------------------------------- UDP ASSOCIATE
 
 
-class UdpEcho:
-    """A loopback UDP echo server on a raw socket, counting what it received."""
-
-    def __init__(self, host: str) -> None:
-        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(fam, socket.SOCK_DGRAM)
-        self.sock.bind((host, 0))
-        self.sock.setblocking(False)
-        self.port = self.sock.getsockname()[1]
-        self.received: list[bytes] = []
-        self.loop = asyncio.get_running_loop()
-        self.loop.add_reader(self.sock.fileno(), self._read)
-
-    def _read(self) -> None:
-        while True:
-            try:
-                data, addr = self.sock.recvfrom(65536)
-            except BlockingIOError:
-                return
-            self.received.append(data)
-            self.sock.sendto(b"echo:" + data, addr)
-
-    def close(self) -> None:
-        self.loop.remove_reader(self.sock.fileno())
-        self.sock.close()
 
 
 def udp_header(atyp: int, addr: bytes, port: int, frag: int = 0) -> bytes:
@@ -597,7 +572,7 @@ async def udp_exchange(client: socket.socket, relay: tuple[str, int], datagram: 
 async def test_udp_associate_exchange_frag_precedence_and_close() -> None:
     info = socket.getaddrinfo("localhost", 0, type=socket.SOCK_DGRAM)[0]
     echo_host = info[4][0]
-    echo = UdpEcho(echo_host)
+    echo = UdpEcho(echo_host, prefix=b"echo:")
     client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     client.bind(("127.0.0.1", 0))
     client.setblocking(False)
@@ -665,7 +640,7 @@ async def test_udp_associate_over_ipv6_portal_to_ipv4_target() -> None:
     """A portal on ::1: the relay socket is IPv6, the client's source is pinned
     as the IPv6 peer, and an IPv4 target is reached through the IPv4 egress."""
     require(can_bind("::1"), "IPv6 loopback (::1)")
-    echo = UdpEcho("127.0.0.1")
+    echo = UdpEcho("127.0.0.1", prefix=b"echo:")
     client = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
     client.bind(("::1", 0))
     client.setblocking(False)
