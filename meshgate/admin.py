@@ -2,11 +2,25 @@
 
 GET /status, /peers, /routes, /metrics. One request per connection keeps it
 simple; the CLI and health checks are the clients.
+
+Who may ask (`check_request`, pure):
+- The Host header must be an IP literal, `localhost` or one of `admin.hosts`;
+  any other name is 403. A web page the user opens cannot read the API by
+  pointing a name it controls at 127.0.0.1 (DNS rebinding): its requests
+  carry that name as Host.
+- With `admin.token` set, a request off loopback needs
+  `Authorization: Bearer TOKEN` (401 without it). An API listening off
+  loopback with a token requires it of every request; with none, start-up
+  warns (config.warnings).
+- At most `limits.admin_max_clients` connections, and at most
+  `limits.admin_max_clients_per_source` from one address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
 from collections.abc import Callable
@@ -15,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from meshgate.config import Config
 from meshgate.errors import bind_error
 from meshgate.metrics import REGISTRY
-from meshgate.netfmt import host_port
+from meshgate.netfmt import host_port, is_loopback
 
 if TYPE_CHECKING:  # a node without the mesh does not load it
     from meshgate.mesh.service import MeshService
@@ -25,6 +39,62 @@ log = logging.getLogger("meshgate.admin")
 _MAX_REQUEST = 8192  # request head bytes; a longer one is dropped (LimitOverrunError)
 _TIMEOUT = 5.0
 _requests = REGISTRY.counter("meshgate_admin_requests_total", "Admin API requests", ("path", "code"))
+_refused = REGISTRY.counter(
+    "meshgate_admin_connections_refused_total", "Admin API connections closed at once", ("reason",)
+)
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+            405: "Method Not Allowed"}
+
+
+def _host_name(value: str) -> str:
+    """The host part of a Host header (`[::1]:15888` -> `::1`, `Name:80` -> `name`)."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:].split("]", 1)[0]
+    if value.count(":") == 1:
+        value = value.split(":", 1)[0]
+    return value.rstrip(".")
+
+
+def host_allowed(host: str | None, names: tuple[str, ...]) -> bool:
+    """An absent Host (HTTP/1.0 tools), an IP literal, localhost or a configured name."""
+    if host is None:
+        return True
+    name = _host_name(host)
+    if name == "localhost" or name in names:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def check_request(
+    head: bytes, names: tuple[str, ...], token: str, need_token: bool
+) -> tuple[int, str]:
+    """(status, path) for a request head: 400/405 for bad requests, 403 for a foreign Host,
+    401 without the token where one is needed; else (0, path) to route it."""
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split()
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        return 400, "-"
+    path = parts[1].split("?", 1)[0]
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers.setdefault(name.strip().lower(), value.strip())
+    if not host_allowed(headers.get("host"), names):
+        return 403, path
+    if need_token:
+        given = headers.get("authorization", "")
+        want = f"Bearer {token}"
+        if not hmac.compare_digest(given.encode("latin-1"), want.encode("latin-1")):
+            return 401, path
+    if parts[0] != "GET":
+        return 405, path
+    return 0, path
 
 
 def _response(code: int, reason: str, body: bytes, ctype: str) -> bytes:
@@ -46,6 +116,9 @@ class AdminService:
         self.mesh = mesh
         self.server: asyncio.Server | None = None
         self._clients = 0
+        self._per_source: dict[str, int] = {}
+        cfg = config.admin
+        self._everyone_needs_token = bool(cfg.token) and not is_loopback(cfg.listen.host)
 
     async def start(self) -> None:
         addr = self.config.admin.listen
@@ -85,44 +158,55 @@ class AdminService:
         return 404, b'{"error": "not found"}', "application/json"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        limit = self.config.limits.admin_max_clients
-        if self._clients >= limit:
+        limits = self.config.limits
+        peer = writer.get_extra_info("peername")
+        source = str(peer[0]) if isinstance(peer, tuple) else "?"
+        if self._clients >= limits.admin_max_clients:
+            _refused.labels("max_clients").inc()
+            writer.close()
+            return
+        if self._per_source.get(source, 0) >= limits.admin_max_clients_per_source:
+            _refused.labels("per_source").inc()
+            log.debug("admin: refusing %s: admin_max_clients_per_source reached", source)
             writer.close()
             return
         self._clients += 1
+        self._per_source[source] = self._per_source.get(source, 0) + 1
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _TIMEOUT)
-            request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
-            parts = request_line.split()
-            if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-                code, body, ctype = 400, b'{"error": "bad request"}', "application/json"
-                path = "-"
-            elif parts[0] != "GET":
-                code, body, ctype = 405, b'{"error": "only GET"}', "application/json"
-                path = parts[1]
-            else:
-                path = parts[1].split("?", 1)[0]
+            token = self.config.admin.token
+            need = bool(token) and (self._everyone_needs_token or not is_loopback(source))
+            code, path = check_request(head, self.config.admin.hosts, token, need)
+            if code == 0:
                 code, body, ctype = self._route(path)
-            reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
-            writer.write(_response(code, reason[code], body, ctype))
-            _requests.labels(path if code != 404 else "other", str(code)).inc()
+            else:
+                body, ctype = json.dumps({"error": _REASONS[code].lower()}).encode(), "application/json"
+                if code in (401, 403):
+                    log.debug("admin: %d for %s (%s)", code, source, path)
+            writer.write(_response(code, _REASONS[code], body, ctype))
+            _requests.labels(path if code not in (400, 404) else "other", str(code)).inc()
             await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-            log.debug("admin: dropped a malformed or slow request")
+            log.debug("admin: dropped a malformed or slow request from %s", source)
         finally:
             self._clients -= 1
+            left = self._per_source[source] - 1
+            if left:
+                self._per_source[source] = left
+            else:
+                del self._per_source[source]
             writer.close()
 
 
-
-async def fetch(address: str, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+async def fetch(address: str, path: str, timeout: float = 5.0, token: str = "") -> tuple[int, bytes]:
     """Client side for the CLI: GET `path` from the admin API at `address`."""
     from meshgate.config import parse_host_port
 
     hp = parse_host_port(address, 15888)
     reader, writer = await asyncio.wait_for(asyncio.open_connection(hp.host, hp.port), timeout)
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
     try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: {hp}\r\nConnection: close\r\n\r\n".encode())
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {hp}\r\n{auth}Connection: close\r\n\r\n".encode())
         data = await asyncio.wait_for(reader.read(), timeout)
     finally:
         writer.close()

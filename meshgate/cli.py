@@ -6,10 +6,12 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshgate import __version__, config, logs
@@ -137,6 +139,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     logs.setup(cfg.log_level)
     for w in config.warnings(cfg):
         log.warning("%s: %s", w.key, w.message)
+    if args.secret:
+        log.warning("--secret: the secret shows in ps and shell history to every user of this host;"
+                    " use node.secret_file or $MESHGATE_SECRET")
     loop = new_loop(args.loop)
     try:
         return loop.run_until_complete(_serve(cfg))
@@ -150,8 +155,15 @@ def cmd_admin(args: argparse.Namespace) -> int:
     path = {"status": "/status", "peers": "/peers", "routes": "/routes", "stats": "/metrics"}[
         args.command
     ]
+    token = os.environ.get("MESHGATE_ADMIN_TOKEN", "")
+    if args.token_file:
+        try:
+            token = Path(args.token_file).expanduser().read_text().strip()
+        except OSError as e:
+            print(f"meshgate: --token-file: cannot read {args.token_file}: {e.strerror}", file=sys.stderr)
+            return EXIT_CONFIG
     try:
-        code, body = asyncio.run(fetch(args.admin, path))
+        code, body = asyncio.run(fetch(args.admin, path, token=token))
     except (OSError, TimeoutError) as e:
         print(f"meshgate: cannot reach the admin API at {args.admin}: {e}", file=sys.stderr)
         return EXIT_STARTUP
@@ -214,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-c", "--config", help="TOML config file (default: built-in defaults)")
     run.add_argument("--name")
     run.add_argument("--network")
-    run.add_argument("--secret")
+    run.add_argument("--secret", help="shows in ps: prefer node.secret_file or $MESHGATE_SECRET")
     run.add_argument("--ipv4")
     run.add_argument("--listen", action="append", help="mesh listener URL (repeatable)")
     run.add_argument("--peer", action="append", help="mesh peer URL (repeatable)")
@@ -238,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("status", "peers", "routes", "stats"):
         a = sub.add_parser(name, help=f"ask a running node for its {name}")
         a.add_argument("--admin", default="127.0.0.1:15888")
+        a.add_argument("--token-file", help="admin token (default: $MESHGATE_ADMIN_TOKEN)")
         a.add_argument("--json", action="store_true")
         a.set_defaults(func=cmd_admin)
 

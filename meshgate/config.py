@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from meshgate import netsecret
-from meshgate.netfmt import host_port
+from meshgate.netfmt import host_port, is_loopback
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPInterface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
@@ -187,6 +187,10 @@ class TunConfig:
 class AdminConfig:
     enable: bool = True
     listen: HostPort = HostPort("127.0.0.1", 15888)
+    # `Authorization: Bearer` token; required for every request when the API listens off loopback
+    token: str = field(default="", repr=False)
+    # Host header names accepted besides IP literals and localhost (DNS-rebinding defence)
+    hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,10 @@ class LimitsConfig:
     doq_stream_timeout: float = 5.0
     buffer_pool_size: int = 1024
     admin_max_clients: int = 64
+    # one source cannot hold every admin slot (70 idle connections locked the API out for 5 s)
+    admin_max_clients_per_source: int = 8
+    # one source cannot hold every portal slot: a browser uses at most ~32 connections per proxy
+    socks5_max_clients_per_source: int = 256
     memory_trim_interval: float = 10.0  # seconds between returns of freed heap to the kernel; 0 = off
     odoh_proxy_max_connections: int = 64  # pooled HTTP/2 connections from an ODoH proxy to targets
     odoh_proxy_timeout: float = 5.0  # connect + answer deadline for one forwarded ODoH query
@@ -682,10 +690,26 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
     if not 576 <= tun.mtu <= 65535:
         r.problem("tun.mtu", f"{tun.mtu} is outside 576-65535")
     a = _section(r, raw, "admin")
-    r.table(a, "admin.", ["enable", "listen"])
+    r.table(a, "admin.", ["enable", "listen", "token", "token_file", "hosts"])
+    # MESHGATE_ADMIN_TOKEN keeps the token out of files, like MESHGATE_SECRET
+    env_token = os.environ.get("MESHGATE_ADMIN_TOKEN", "")
+    token = r.value(a, "admin.", "token", _parse_str, base.admin.token or env_token)
+    if "token_file" in a:
+        tpath = r.value(a, "admin.", "token_file", _parse_nonempty_str, "")
+        if tpath:
+            try:
+                token = Path(os.path.expanduser(tpath)).read_text().strip()
+            except OSError as e:
+                r.problem("admin.token_file", f"cannot read {tpath!r}: {e.strerror}")
+    if token and len(token) < 16:
+        key = "admin.token_file" if "token_file" in a else "admin.token"
+        r.problem(key, "too short; use at least 16 characters")
     admin = AdminConfig(
         enable=r.value(a, "admin.", "enable", _parse_bool, base.admin.enable),
         listen=r.value(a, "admin.", "listen", lambda v: parse_host_port(v, 15888), base.admin.listen),
+        token=token,
+        hosts=tuple(h.lower().rstrip(".") for h in r.items(a, "admin.", "hosts", _parse_nonempty_str) or ())
+        or base.admin.hosts,
     )
     limits = r.dataclass_fields(_section(r, raw, "limits"), "limits.", base.limits)
     log_level = r.value(
@@ -731,6 +755,18 @@ def warnings(cfg: Config) -> list[ConfigProblem]:
                 f"weak (about {bits:.0f} bits): whoever answers one of this node's dials can test"
                 " guesses offline; `meshgate secret new` makes a 256-bit one",
             ))
+    if cfg.admin.enable and not is_loopback(cfg.admin.listen.host) and not cfg.admin.token:
+        out.append(ConfigProblem(
+            "admin.listen",
+            f"{cfg.admin.listen} is off loopback with no admin.token: anyone who reaches it reads"
+            " the node's peers, routes and metrics; set admin.token_file",
+        ))
+    if cfg.socks5.enable and not is_loopback(cfg.socks5.listen.host) and not cfg.socks5.users:
+        out.append(ConfigProblem(
+            "socks5.listen",
+            f"{cfg.socks5.listen} is off loopback with no socks5.users: anyone who reaches it"
+            " uses this node (and the mesh behind it) as a proxy",
+        ))
     return out
 
 

@@ -30,8 +30,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshgate.netsecret import new_secret
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "demo"
-DEMO_SECRET = "meshgate-demo-secret"  # the demo's own network; change it for anything real
 
 
 def free(host: str = "127.0.0.1") -> int:
@@ -62,10 +63,13 @@ class Demo:
     host_links: list[str] = field(default_factory=list)
     web_port: int = 80
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="meshgate-demo-")))
+    # $MESHGATE_SECRET if given, else a new random one for this run: a fixed fallback would let
+    # anyone who knows meshgate's source join every demo mesh on a shared network
+    secret: str = field(default_factory=lambda: os.environ.get("MESHGATE_SECRET") or new_secret(), repr=False)
 
     # ------------------------------------------------------------------ processes
     def spawn(self, name: str, argv: list[str], netns: str | None = None) -> None:
-        env = {**os.environ, "MESHGATE_SECRET": os.environ.get("MESHGATE_SECRET", DEMO_SECRET)}
+        env = {**os.environ, "MESHGATE_SECRET": self.secret}
         env["PYTHONPATH"] = str(EXAMPLES.parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
         if netns:
             argv = ["ip", "netns", "exec", netns, *argv]

@@ -7,11 +7,23 @@ from the rest of meshgate.
 
 from __future__ import annotations
 
+import ipaddress
+
 
 def bracket(host: object) -> str:
     """`host`, with brackets around an IPv6 literal (`::1` -> `[::1]`); already bracketed stays."""
     text = str(host)
     return f"[{text}]" if ":" in text and not text.startswith("[") else text
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen host is this machine's loopback only (a wildcard or any other address is not)."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name other than localhost: it resolves to who knows what
 
 
 def host_port(host: object, port: object) -> str:

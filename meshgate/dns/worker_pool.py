@@ -125,6 +125,9 @@ def counter_snapshot() -> bytes:
     return json.dumps(rows).encode()
 
 
+# Environment variables that carry secrets (config.py reads them); never passed to workers.
+SECRET_ENV = ("MESHGATE_SECRET", "MESHGATE_ADMIN_TOKEN")
+
 class CounterMerge:
     """Adds one worker's reported counters (absolute, since it started) to this process's families."""
 
@@ -221,7 +224,9 @@ class WorkerPool:
     async def _spawn(self, w: _Worker) -> None:
         loop = asyncio.get_running_loop()
         parent, child = socket.socketpair()
-        env = dict(os.environ)
+        # A worker needs no secret: its config copy has none, and its environment must not either
+        # (a worker's /proc/PID/environ is readable by the same user, and it parses untrusted input).
+        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
         # The worker imports the same meshgate tree as this process (a checkout or a git ref's copy).
         root = str(Path(meshgate.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)

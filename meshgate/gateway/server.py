@@ -41,6 +41,10 @@ ACCEPTED = REGISTRY.counter("meshgate_socks5_clients_total", "SOCKS5 client conn
 REFUSED = REGISTRY.counter(
     "meshgate_socks5_clients_refused_total", "SOCKS5 connections closed at once: max_clients reached"
 )
+REFUSED_PER_SOURCE = REGISTRY.counter(
+    "meshgate_socks5_clients_refused_per_source_total",
+    "SOCKS5 connections closed at once: limits.socks5_max_clients_per_source reached for their address",
+)
 CONNECTS = REGISTRY.counter(
     "meshgate_socks5_requests_total", "SOCKS5 requests answered, by command and reply", ("command", "reply")
 )
@@ -113,6 +117,9 @@ class Socks5Server:
         self.max_clients = config.socks5.max_clients
         self.udp_enabled = config.socks5.udp
         self.clients: set[ClientProtocol] = set()
+        # live clients per source address: one address cannot hold every slot
+        self.per_source: dict[str, int] = {}
+        self.max_per_source = config.limits.socks5_max_clients_per_source
         self.server: asyncio.Server | None = None
         self.read_buffer = ReadBuffer()
 
@@ -154,6 +161,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self.core = socks5.ServerConnection(server.users)
         self.udp: UdpAssociation | None = None
         self._counted = False
+        self._source = ""  # the address counted in server.per_source
         self._timer: asyncio.TimerHandle | None = None
         self._active = False  # any traffic since the last idle check
         self._client_eof = False
@@ -178,6 +186,17 @@ class ClientProtocol(asyncio.BufferedProtocol):
             self.state = _CLOSED
             transport.abort()
             return
+        source = str(self.peer[0]) if self.peer else "?"
+        held = srv.per_source.get(source, 0)
+        if held >= srv.max_per_source:
+            REFUSED_PER_SOURCE.inc()
+            rlog.debug(f"per_source:{source}", "socks5: refusing %s: %d connections from %s already"
+                       " (limits.socks5_max_clients_per_source)", _peer_text(self.peer), held, source)
+            self.state = _CLOSED
+            transport.abort()
+            return
+        srv.per_source[source] = held + 1
+        self._source = source
         srv.clients.add(self)
         self._counted = True
         ACCEPTED.inc()
@@ -189,7 +208,13 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self.state = _CLOSED
         if self._counted:
             self._counted = False
-            self.server.clients.discard(self)
+            srv = self.server
+            srv.clients.discard(self)
+            left = srv.per_source[self._source] - 1
+            if left:
+                srv.per_source[self._source] = left
+            else:
+                del srv.per_source[self._source]
             CLIENTS.dec()
         if self._timer is not None:
             self._timer.cancel()

@@ -311,3 +311,20 @@ async def test_workers_go_upstream_through_the_main_process_and_its_mesh(tmp_pat
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_workers_do_not_inherit_the_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The node read MESHGATE_SECRET at config time; the worker processes it starts must not carry it.
+    secret, token = "worker-env-secret-" + "x" * 16, "worker-env-admin-token-" + "y" * 16
+    monkeypatch.setenv("MESHGATE_SECRET", secret)
+    monkeypatch.setenv("MESHGATE_ADMIN_TOKEN", token)
+    node = Node(_config(tmp_path, free_port()))
+    await node.start()
+    try:
+        pid = Env(node).worker_pid()
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert b"MESHGATE_SECRET=" not in environ and b"MESHGATE_ADMIN_TOKEN=" not in environ
+        assert secret.encode() not in environ and token.encode() not in environ
+        assert b"PYTHONPATH=" in environ  # the environment itself was passed, only scrubbed
+    finally:
+        await node.stop()

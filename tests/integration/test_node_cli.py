@@ -156,3 +156,34 @@ def test_secret_new_is_random_and_check_config_warns_about_weak_ones(tmp_path: P
         assert run.returncode == 0 and f"{cfg}: ok" in run.stdout  # a warning, not a refusal
         assert ("node.secret: warning: weak" in run.stderr) is weak, run.stderr
         assert secret not in run.stdout + run.stderr  # the secret itself is never printed
+
+
+def test_a_secret_on_the_command_line_is_warned_about(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = tmp_path / "node.toml"
+    cfg.write_text(f'[node]\nstate_dir = "{tmp_path / "state"}"\n[socks5]\nenable = false\n'
+                   f'[admin]\nlisten = "127.0.0.1:{port}"\n')
+    secret = "on-the-command-line-" + "z" * 20
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshgate", "run", "-c", str(cfg), "--secret", secret],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        wait_until(lambda: admin_up(port) or proc.poll() is not None, 30, "admin API")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert "--secret: the secret shows in ps and shell history" in err
+    assert secret not in err
+
+
+def test_the_demo_makes_a_random_secret_unless_given(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from meshgate.demo import Demo, Ports
+
+    monkeypatch.delenv("MESHGATE_SECRET", raising=False)
+    made = [Demo("loopback", Ports(), "t", tmp_path, log_dir=tmp_path).secret for _ in range(2)]
+    assert made[0] != made[1] and len(made[0]) >= 43
+    monkeypatch.setenv("MESHGATE_SECRET", "given-" + "s" * 20)
+    assert Demo("loopback", Ports(), "t", tmp_path, log_dir=tmp_path).secret == "given-" + "s" * 20
+    assert "given-" not in repr(Demo("loopback", Ports(), "t", tmp_path, log_dir=tmp_path))

@@ -552,6 +552,36 @@ async def test_max_clients_refuses_beyond_the_limit() -> None:
         held[1][1].close()
 
 
+async def test_one_source_cannot_hold_every_portal_slot() -> None:
+    # one address holding slots with idle connections must not lock out every other client
+    require(can_bind("127.0.0.2"), "127.0.0.2 on loopback")
+    async with portal(socks5_max_clients_per_source=3) as p, echo_server() as (eport, _):
+        refused = Metric("meshgate_socks5_clients_refused_per_source_total")
+        held = [await asyncio.open_connection("127.0.0.1", p.port) for _ in range(3)]
+        await async_wait_until(lambda: len(p.clients) == 3, what="three clients from 127.0.0.1")
+        r, w = await asyncio.open_connection("127.0.0.1", p.port)
+        w.write(b"\x05\x01\x00")
+        with contextlib.suppress(ConnectionResetError):
+            assert await asyncio.wait_for(r.read(), 5) == b""
+        w.close()
+        assert refused.delta == 1
+        # another address is served in full while the first holds its share
+        r2, w2 = await asyncio.open_connection("127.0.0.1", p.port, local_addr=("127.0.0.2", 0))
+        w2.write(b"\x05\x01\x00")
+        assert await asyncio.wait_for(r2.readexactly(2), 5) == b"\x05\x00"
+        w2.close()
+        # a slot freed at the first address is usable again
+        held[0][1].close()
+        assert p.svc.server is not None
+        srv = p.svc.server
+        await async_wait_until(lambda: srv.per_source.get("127.0.0.1") == 2, what="a slot frees")
+        sock = await Proxy.from_url(p.url).connect("127.0.0.1", eport, timeout=10)
+        sock.close()
+        for _, hw in held[1:]:
+            hw.close()
+        await async_wait_until(lambda: not srv.per_source, what="the table empties")
+
+
 # --------------------------------------------------------------------------- UDP ASSOCIATE
 
 
