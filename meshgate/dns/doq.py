@@ -13,9 +13,10 @@ served; other opcodes get REFUSED with Extended DNS Error 26 (Too Early).
 
 Bounds: every stream has a read deadline (limits.doq_stream_timeout; a
 stream that never FINs would otherwise hold an aioquic slot forever, CoreDNS
-CVE-2025-47950), streams per connection ≤ limits.doq_max_streams (advertised
-as MAX_STREAMS and enforced), and the pipeline's in-flight cap bounds the
-workers overall (over it: RESET_STREAM with DOQ_EXCESSIVE_LOAD).
+CVE-2025-47950), streams open at once per connection ≤ limits.doq_max_streams
+(advertised as MAX_STREAMS, raised as streams end, and enforced), and the
+pipeline's in-flight cap bounds the workers overall (over it: RESET_STREAM with
+DOQ_EXCESSIVE_LOAD).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer, serve
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import Limit
 from aioquic.tls import SessionTicket
 
 from meshgate.buffers import Buffer
@@ -128,11 +130,17 @@ class DoqProtocol(QuicConnectionProtocol):
         self.handshake_done = False
         self.closed = False
         self.deadline_timer: asyncio.TimerHandle | None = None
-        # Advertise our per-connection stream cap instead of aioquic's fixed 128
-        # (aioquic has no public setting for it; the cap is also enforced below).
+        # Advertise our per-connection stream cap instead of aioquic's fixed 128. aioquic
+        # (1.7) has no public setting for it, so this sets its private Limit, and must set
+        # `sent` with `value`: the initial transport parameter is `value`, each stream that
+        # ends raises `value` by one, and a MAX_STREAMS frame goes out only once `value` has
+        # moved far enough past `sent`. With `sent` left at 128 a cap of 64 was never raised
+        # (the connection stopped at its 64th stream, issue 16). As both, the cap bounds the
+        # streams open at once, not those over the connection's life (RFC 9000 4.6); it is
+        # also enforced below. Pinned by tests/integration/test_doq_sessions.py.
         limit = getattr(self._quic, "_local_max_streams_bidi", None)
-        if limit is not None and hasattr(limit, "value"):
-            limit.value = min(int(limit.value), self.limits.doq_max_streams)
+        if isinstance(limit, Limit):
+            limit.value = limit.sent = min(limit.value, self.limits.doq_max_streams)
         # Refused with a DoQ code once the first packet is processed (a close before that would
         # not reach the client, and the peer's address is known only then).
         self.over_cap = not admit(self.conns, self, self.limits.dns_tcp_max_clients)

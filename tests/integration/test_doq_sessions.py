@@ -1,19 +1,25 @@
 """DoQ sessions over real aioquic connections to the node's DoQ listener on loopback: a resumed
-connection's queries in 0-RTT early data (RFC 9250 4.5), and a client's keepalive PINGs holding
-an idle connection open past the listener's idle timeout (limits.dns_tcp_idle_timeout)."""
+connection's queries in 0-RTT early data (RFC 9250 4.5), a client's keepalive PINGs holding
+an idle connection open past the listener's idle timeout (limits.dns_tcp_idle_timeout), and a
+long-lived connection: far more queries than limits.doq_max_streams over its life (dnspython
+reusing one connection), while no more than that many are ever open at once (issue 16)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import dns.asyncquery
 import dns.edns
 import dns.message
 import dns.opcode
+import dns.quic
 import dns.rcode
+import pytest
 from aioquic.asyncio.client import connect as quic_connect
 from aioquic.quic import events as qevents
 from aioquic.quic.logger import QuicLogger
@@ -22,7 +28,8 @@ from aioquic.tls import SessionTicket
 from meshgate.config import from_dict
 from meshgate.node import Node
 from tests.helpers import async_wait_until
-from tests.integration.test_dns_listeners import QuicEvents, doq_msg, quic_config
+from tests.integration.test_dns_listeners import QuicEvents, doq_client, doq_msg, quic_config, start_env
+from tests.integration.test_dns_upstream import LocalAuthority
 
 
 @contextlib.asynccontextmanager
@@ -162,3 +169,87 @@ async def test_keepalive_pings_hold_an_idle_connection_past_the_idle_timeout(tmp
             await async_wait_until(lambda: idle.terminated() is not None, timeout=10 * IDLE,
                                    what="the idle connection closed at the listener's idle timeout")
             assert loop.time() - start >= IDLE * 0.9  # not before it
+
+
+@pytest.mark.parametrize("limits", [{}, {"doq_max_streams": 1}], ids=["default", "cap1"])
+async def test_one_connection_answers_a_thousand_sequential_queries(tmp_path: Path,
+                                                                    limits: dict[str, Any]) -> None:
+    """dnspython's DoQ client reusing ONE connection, as RFC 9250 intends, with the default
+    limits (doq_max_streams 64) and with a cap of 1: all 1,000 queries are answered, each with
+    its own answer. The stream cap bounds the streams open at once, not those over the
+    connection's life: each stream that ends lets the client open another (MAX_STREAMS). Before
+    the fix the 65th query (the 2nd with cap 1) timed out: the listener never raised its
+    MAX_STREAMS past the initial cap."""
+    async with doq_node(tmp_path, **limits) as (host, port):
+        manager = dns.quic.AsyncioQuicManager(verify_mode=ssl.CERT_NONE)
+        conn = manager.connect(host, port)
+        try:
+            for i in range(1000):
+                name = "alpha.mesh.internal" if i % 2 == 0 else f"nobody{i}.mesh.internal"
+                q = dns.message.make_query(name, "A")
+                r = await dns.asyncquery.quic(q, host, port=port, connection=conn, timeout=5)
+                if i % 2 == 0:
+                    assert r.rcode() == dns.rcode.NOERROR and r.answer[0][0].address == "10.144.144.1", i
+                else:
+                    assert r.rcode() == dns.rcode.NXDOMAIN and not r.answer, i
+                    assert r.question[0].name.to_text() == name + ".", i
+        finally:
+            await conn.close()
+
+
+CAP = 3  # limits.doq_max_streams in the next test
+EXTRA = 2  # streams the client opens at once beyond CAP
+ROUNDS = 4
+
+
+async def test_stream_cap_bounds_concurrent_streams_for_the_life_of_a_connection(tmp_path: Path) -> None:
+    """doq_max_streams=CAP, one raw aioquic connection, ROUNDS rounds: each opens CAP+EXTRA
+    streams at once whose upstream answers are held. Exactly CAP reach the listener (the
+    upstream is asked CAP of them, the client holds EXTRA as blocked: the listener has granted it
+    no more than CAP streams beyond those finished); once released, all CAP+EXTRA are answered on
+    the same connection, the EXTRA as the first ones finish. Before the fix the first round's
+    EXTRA streams were never granted, so round 1 already timed out."""
+    auth = await LocalAuthority().start()
+    env = await start_env(tmp_path, auth, doq_max_streams=CAP)
+    try:
+        host, port = env.hp("quic")
+        async with doq_client(host, port) as client:
+            assert isinstance(client, QuicEvents)
+            q = client._quic
+            assert q._remote_max_streams_bidi == CAP  # the cap as the initial transport parameter
+            done = 0  # streams answered so far on this connection
+            for r in range(ROUNDS):
+                names = [f"slow{r}x{i}.example.test" for i in range(CAP + EXTRA)]
+                sids = []
+                for name in names:
+                    sid = q.get_next_available_stream_id()
+                    q.send_stream_data(sid, doq_msg(name), end_stream=True)
+                    sids.append(sid)
+                client.transmit()
+                first = [n + "." for n in names[:CAP]]
+                await async_wait_until(
+                    lambda f=first: env.svc.pipeline.inflight == CAP and all(auth.queries[n] for n in f),
+                    timeout=5, what=f"round {r}: CAP queries in flight, at the upstream")
+                # Nothing finishes while the upstream holds its answers, so the listener grants
+                # no new stream: the EXTRA stay blocked in the client, never sent.
+                assert q._remote_max_streams_bidi <= done + CAP
+                assert len(q._streams_blocked_bidi) == EXTRA
+                asked = [n for n in names if auth.queries[n + "."]]
+                assert asked == names[:CAP], asked
+                assert env.svc.pipeline.inflight == CAP
+                auth.release.set()
+                for sid in sids:
+                    await async_wait_until(lambda s=sid: client.data(s)[1] or client.terminated() is not None,
+                                           timeout=5, what=f"round {r}: the answer on stream {sid}")
+                    assert client.terminated() is None
+                    data, _ = client.data(sid)
+                    assert int.from_bytes(data[:2], "big") == len(data) - 2
+                    assert dns.message.from_wire(data[2:]).answer[0][0].address == "192.0.2.7"
+                assert all(auth.queries[n + "."] == 1 for n in names)
+                done += len(sids)
+                auth.release.clear()  # hold the next round's answers again
+            assert env.stat("quic").snapshot()["drops"].get("max_streams", 0) == 0
+    finally:
+        auth.release.set()
+        await env.svc.stop()
+        await auth.stop()
