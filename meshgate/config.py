@@ -152,6 +152,17 @@ class Socks5Config:
 
 
 @dataclass(frozen=True)
+class HttpProxyConfig:
+    """HTTP CONNECT, plain HTTP forwarding and /proxy.pac through the portal's dialer.
+    Its connection caps and timeouts are the SOCKS5 portal's (socks5.max_clients,
+    limits.socks5_*): the same clients (browsers) behind either kind of proxy setting."""
+
+    enable: bool = False
+    listen: HostPort = HostPort("127.0.0.1", 8080)
+    auth: bool = True  # Proxy-Authorization: Basic against socks5.users, when there are any
+
+
+@dataclass(frozen=True)
 class DnsListenerConfig:
     protocol: str
     listen: HostPort
@@ -242,8 +253,9 @@ class LimitsConfig:
     admin_max_clients: int = 64
     # one source cannot hold every admin slot (70 idle connections locked the API out for 5 s)
     admin_max_clients_per_source: int = 8
-    # one source cannot hold every portal slot: a browser uses at most ~32 connections per proxy
-    socks5_max_clients_per_source: int = 256
+    # one source cannot hold every portal slot (a browser uses at most ~32 connections per
+    # proxy); 0 = a quarter of socks5.max_clients (256 of the default 1024), at least 32
+    socks5_max_clients_per_source: int = 0
     memory_trim_interval: float = 10.0  # seconds between returns of freed heap to the kernel; 0 = off
     odoh_proxy_max_connections: int = 64  # pooled HTTP/2 connections from an ODoH proxy to targets
     odoh_proxy_timeout: float = 5.0  # connect + answer deadline for one forwarded ODoH query
@@ -260,6 +272,7 @@ class Config:
     admin: AdminConfig = AdminConfig()
     limits: LimitsConfig = LimitsConfig()
     log_level: str = "info"
+    http_proxy: HttpProxyConfig = HttpProxyConfig()
 
     @property
     def state_path(self) -> Path:
@@ -594,7 +607,8 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
     base = base or Config()
     problems: list[ConfigProblem] = []
     r = _Reader(problems)
-    r.table(raw, "", ["node", "mesh", "exit", "socks5", "dns", "tun", "admin", "limits", "log_level"])
+    r.table(raw, "", ["node", "mesh", "exit", "socks5", "http_proxy", "dns", "tun", "admin", "limits",
+                      "log_level"])
 
     n = _section(r, raw, "node")
     r.table(n, "node.", ["name", "network", "secret", "secret_file", "ipv4", "ipv6", "state_dir"])
@@ -653,6 +667,15 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         users=users if users is not None else base.socks5.users,
         udp=r.value(s, "socks5.", "udp", _parse_bool, base.socks5.udp),
         max_clients=r.value(s, "socks5.", "max_clients", _positive_int, base.socks5.max_clients),
+    )
+
+    hp = _section(r, raw, "http_proxy")
+    r.table(hp, "http_proxy.", ["enable", "listen", "auth"])
+    http_proxy = HttpProxyConfig(
+        enable=r.value(hp, "http_proxy.", "enable", _parse_bool, base.http_proxy.enable),
+        listen=r.value(hp, "http_proxy.", "listen", lambda v: parse_host_port(v, 8080),
+                       base.http_proxy.listen),
+        auth=r.value(hp, "http_proxy.", "auth", _parse_bool, base.http_proxy.auth),
     )
 
     d = _section(r, raw, "dns")
@@ -716,13 +739,14 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         raw, "", "log_level", _choice("debug", "info", "warning", "error"), base.log_level
     )
 
-    _check_ports(r, socks5, dns, admin)
+    _check_ports(r, socks5, dns, admin, http_proxy)
     if problems:
         raise ConfigError(problems)
-    return Config(node, mesh, exit_cfg, socks5, dns, tun, admin, limits, log_level)
+    return Config(node, mesh, exit_cfg, socks5, dns, tun, admin, limits, log_level, http_proxy)
 
 
-def _check_ports(r: _Reader, socks5: Socks5Config, dns: DnsConfig, admin: AdminConfig) -> None:
+def _check_ports(r: _Reader, socks5: Socks5Config, dns: DnsConfig, admin: AdminConfig,
+                 http_proxy: HttpProxyConfig | None = None) -> None:
     """Two TCP listeners (or two UDP ones) on one address can never both start."""
     seen: dict[tuple[str, HostPort], str] = {}
 
@@ -737,6 +761,8 @@ def _check_ports(r: _Reader, socks5: Socks5Config, dns: DnsConfig, admin: AdminC
 
     if socks5.enable:
         claim("tcp", socks5.listen, "socks5.listen")
+    if http_proxy is not None and http_proxy.enable:
+        claim("tcp", http_proxy.listen, "http_proxy.listen")
     if admin.enable:
         claim("tcp", admin.listen, "admin.listen")
     for i, lst in enumerate(dns.listeners):
@@ -766,6 +792,13 @@ def warnings(cfg: Config) -> list[ConfigProblem]:
             "socks5.listen",
             f"{cfg.socks5.listen} is off loopback with no socks5.users: anyone who reaches it"
             " uses this node (and the mesh behind it) as a proxy",
+        ))
+    hp = cfg.http_proxy
+    if hp.enable and not is_loopback(hp.listen.host) and not (hp.auth and cfg.socks5.users):
+        out.append(ConfigProblem(
+            "http_proxy.listen",
+            f"{hp.listen} is off loopback with no auth (http_proxy.auth and socks5.users): anyone who"
+            " reaches it uses this node (and the mesh behind it) as a proxy",
         ))
     return out
 

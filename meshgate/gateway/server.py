@@ -99,7 +99,7 @@ class ReadBuffer:
         _READ_BUFFER_RENEWED.inc()
 
 
-def _peer_text(peer: Any) -> str:
+def peer_text(peer: Any) -> str:
     if not peer:
         return "?"
     return host_port(peer[0], peer[1])
@@ -119,14 +119,20 @@ class Socks5Server:
         self.clients: set[ClientProtocol] = set()
         # live clients per source address: one address cannot hold every slot
         self.per_source: dict[str, int] = {}
-        self.max_per_source = config.limits.socks5_max_clients_per_source
+        # default: a quarter of max_clients, but never fewer than one browser's ~32 connections
+        self.max_per_source = config.limits.socks5_max_clients_per_source or max(
+            self.max_clients // 4, min(self.max_clients, 32)
+        )
         self.server: asyncio.Server | None = None
         self.read_buffer = ReadBuffer()
 
     async def start(self, host: str, port: int) -> asyncio.Server:
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: ClientProtocol(self), host, port, backlog=1024)
+        self.server = await loop.create_server(self.make_client, host, port, backlog=1024)
         return self.server
+
+    def make_client(self) -> ClientProtocol:
+        return ClientProtocol(self)
 
     @property
     def sockname(self) -> tuple[str, int]:
@@ -149,7 +155,22 @@ _HANDSHAKE, _CONNECTING, _RELAY, _UDP, _CLOSED = range(5)
 
 
 class ClientProtocol(asyncio.BufferedProtocol):
-    """One SOCKS client connection, from greeting to close."""
+    """One SOCKS client connection, from greeting to close.
+
+    The admission, timers and relay are shared with the HTTP proxy
+    (gateway/http_proxy.py), which subclasses this with its own handshake: the
+    class attributes below are what it counts into and how it names itself in logs.
+    """
+
+    kind = "socks5"
+    m_clients = CLIENTS
+    m_accepted = ACCEPTED
+    m_refused = REFUSED
+    m_refused_per_source = REFUSED_PER_SOURCE
+    m_handshake_timeouts = _HANDSHAKE_TIMEOUTS
+    m_idle_timeouts = _IDLE_TIMEOUTS
+    m_bytes_in = _BYTES_IN
+    m_bytes_out = _BYTES_OUT
 
     def __init__(self, server: Socks5Server) -> None:
         self.server = server
@@ -168,8 +189,8 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self._upstream_eof = False
         self._held: list[bytes] = []  # destination data that arrived before our reply
         self._connect_task: asyncio.Task[None] | None = None
-        self._bytes_in = LocalCounter(_BYTES_IN, _BYTES_FLUSH)
-        self._bytes_out = LocalCounter(_BYTES_OUT, _BYTES_FLUSH)
+        self._bytes_in = LocalCounter(self.m_bytes_in, _BYTES_FLUSH)
+        self._bytes_out = LocalCounter(self.m_bytes_out, _BYTES_FLUSH)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -180,18 +201,19 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self.peer = transport.get_extra_info("peername")
         srv = self.server
         if len(srv.clients) >= srv.max_clients:
-            REFUSED.inc()
-            rlog.debug("max_clients", "socks5: refusing %s: max_clients=%d reached",
-                       _peer_text(self.peer), srv.max_clients)
+            self.m_refused.inc()
+            rlog.debug(f"{self.kind}:max_clients", "%s: refusing %s: max_clients=%d reached",
+                       self.kind, peer_text(self.peer), srv.max_clients)
             self.state = _CLOSED
             transport.abort()
             return
         source = str(self.peer[0]) if self.peer else "?"
         held = srv.per_source.get(source, 0)
         if held >= srv.max_per_source:
-            REFUSED_PER_SOURCE.inc()
-            rlog.debug(f"per_source:{source}", "socks5: refusing %s: %d connections from %s already"
-                       " (limits.socks5_max_clients_per_source)", _peer_text(self.peer), held, source)
+            self.m_refused_per_source.inc()
+            rlog.debug(f"{self.kind}:per_source:{source}", "%s: refusing %s: %d connections from %s"
+                       " already (limits.socks5_max_clients_per_source)", self.kind,
+                       peer_text(self.peer), held, source)
             self.state = _CLOSED
             transport.abort()
             return
@@ -199,8 +221,8 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self._source = source
         srv.clients.add(self)
         self._counted = True
-        ACCEPTED.inc()
-        CLIENTS.inc()
+        self.m_accepted.inc()
+        self.m_clients.inc()
         transport.set_write_buffer_limits(high=srv.limits.socks5_write_high_water)
         self._timer = self.loop.call_later(srv.limits.socks5_handshake_timeout, self._handshake_expired)
 
@@ -215,7 +237,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
                 srv.per_source[self._source] = left
             else:
                 del srv.per_source[self._source]
-            CLIENTS.dec()
+            self.m_clients.dec()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -333,7 +355,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
                 BAD_REQUESTS.labels(e.kind).inc()
             if e.reply is not None:
                 CONNECTS.labels("invalid", socks5.REPLY_NAMES.get(e.reply, str(e.reply))).inc()
-            rlog.debug(f"bad:{e.kind}", "socks5: %s from %s", e, _peer_text(self.peer))
+            rlog.debug(f"bad:{e.kind}", "socks5: %s from %s", e, peer_text(self.peer))
             transport.close()
 
     def _reply_and_close(self, request: socks5.Request, rep: int) -> None:
@@ -366,7 +388,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
         try:
             transport, _, bound = await self.server.dialer.connect(host, port, lambda: UpstreamProtocol(self))
         except DialError as e:
-            rlog.debug(f"dial:{e.reply}", "socks5: %s for %s", e, _peer_text(self.peer))
+            rlog.debug(f"dial:{e.reply}", "socks5: %s for %s", e, peer_text(self.peer))
             if self.state == _CONNECTING:
                 self._reply_and_close(request, e.reply)
             return
@@ -380,10 +402,17 @@ class ClientProtocol(asyncio.BufferedProtocol):
         if self.state != _CONNECTING:  # the client left while we dialed
             transport.close()
             return
+        CONNECTS.labels("connect", "succeeded").inc()
+        self.begin_relay(transport, socks5.build_reply(socks5.REP_SUCCEEDED, bound[0], bound[1]),
+                         self.core.trailing_data())
+
+    def begin_relay(self, transport: asyncio.Transport, reply: bytes, early: bytes) -> None:
+        """The destination is connected: send `reply` to the client, `early` (what the client
+        sent behind its request) to the destination, and relay both ways from here."""
         client = self.transport
         assert client is not None
-        CONNECTS.labels("connect", "succeeded").inc()
-        client.write(socks5.build_reply(socks5.REP_SUCCEEDED, bound[0], bound[1]))
+        if reply:
+            client.write(reply)
         self.state = _RELAY
         # What the destination sent before the reply went out (a banner) follows it.
         if self._held:
@@ -393,7 +422,6 @@ class ClientProtocol(asyncio.BufferedProtocol):
         if self.upstream is None:  # the destination already closed: flush and end
             client.close()
             return
-        early = self.core.trailing_data()
         if early:
             self._bytes_in.add(len(early))
             transport.write(early)
@@ -415,7 +443,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
         try:
             assoc = await UdpAssociation.open(self, request)
         except OSError as e:
-            rlog.debug("udp-open", "socks5: UDP ASSOCIATE for %s failed: %s", _peer_text(self.peer), e)
+            rlog.debug("udp-open", "socks5: UDP ASSOCIATE for %s failed: %s", peer_text(self.peer), e)
             if self.state == _CONNECTING:
                 self._reply_and_close(request, socks5.REP_GENERAL_FAILURE)
             return
@@ -479,8 +507,9 @@ class ClientProtocol(asyncio.BufferedProtocol):
     def _handshake_expired(self) -> None:
         self._timer = None
         if self.state == _HANDSHAKE:
-            _HANDSHAKE_TIMEOUTS.inc()
-            rlog.debug("handshake-timeout", "socks5: handshake timeout for %s", _peer_text(self.peer))
+            self.m_handshake_timeouts.inc()
+            rlog.debug(f"{self.kind}:handshake-timeout", "%s: handshake timeout for %s", self.kind,
+                       peer_text(self.peer))
             self.abort()
 
     def _idle_check(self) -> None:
@@ -493,8 +522,8 @@ class ClientProtocol(asyncio.BufferedProtocol):
             self._active = False
             self._timer = self.loop.call_later(self.server.limits.socks5_idle_timeout, self._idle_check)
             return
-        _IDLE_TIMEOUTS.inc()
-        rlog.debug("idle-timeout", "socks5: idle timeout for %s", _peer_text(self.peer))
+        self.m_idle_timeouts.inc()
+        rlog.debug(f"{self.kind}:idle-timeout", "%s: idle timeout for %s", self.kind, peer_text(self.peer))
         self.close()
 
 
