@@ -12,7 +12,7 @@ the node. The seams:
   node is itself where a destination leaves;
 - the mesh (`mesh`), handed that connector;
 - one dialer (`dialer`): a MeshDialer on a mesh node, else a local Dialer;
-- the services: mesh, DNS, SOCKS5 portal, TUN, admin, started in that order
+- the services: mesh, DNS, SOCKS5 portal, HTTP proxy, TUN, admin, started in that order
   and stopped in reverse.
 
 Packages are imported where they are built, not at the top: a portal-only
@@ -106,6 +106,12 @@ class Node:
             from meshgate.gateway.service import Socks5Service
 
             plan.append(Socks5Service(cfg, self.dialer))
+        if cfg.http_proxy.enable:
+            from meshgate.gateway.http_proxy import HttpProxyService
+
+            # the same dialer: HTTP destinations route through the mesh as SOCKS5 CONNECT's do
+            routes = self.mesh.routes if self.mesh is not None else None
+            plan.append(HttpProxyService(cfg, self.dialer, routes))
         if cfg.tun.enable:
             from meshgate.mesh.tun import TunService
 

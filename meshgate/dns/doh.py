@@ -4,7 +4,8 @@
 HTTP/2 plumbing: call it with (method, path, headers, body) and get (status,
 headers, body) back, or an awaitable of that when the answer needs an
 upstream. The ODoH listener reuses it for the plain DoH part of a dual
-listener. `DohListener` serves it on meshgate.dns.h2server over TLS.
+listener. `DohListener` serves it over TLS on HTTP/2 (meshgate.dns.h2server) and HTTP/1.1
+(meshgate.dns.h1server) on one port, the protocol picked per connection by ALPN.
 
 Rules (RFC 8484 sections 4.1 and 5.1; docs/ARCHITECTURE.md, "A DoH query"): GET `?dns=` is base64url without
 padding (400 for '=', '+', '/' or other bad encodings), POST needs
@@ -23,7 +24,8 @@ from collections.abc import Awaitable
 
 from meshgate.buffers import Buffer
 from meshgate.config import HostPort
-from meshgate.dns.h2server import H2ServerProtocol, Response, current_peer, start_h2
+from meshgate.dns.h1server import ALPN, start_https
+from meshgate.dns.h2server import Response, current_peer
 from meshgate.dns.listeners import Listener, bound_address
 from meshgate.dns.resolver import Frontend, Later, Pipeline, Ready
 from meshgate.dns.stats import ListenerStats
@@ -122,19 +124,18 @@ class DohApp:
 
 
 class DohListener(Listener):
-    """`protocol = "doh"`: DoH over HTTP/2 and TLS (meshgate.dns.h2server) answering at `path`."""
+    """`protocol = "doh"`: DoH over TLS, HTTP/2 or HTTP/1.1 (meshgate.dns.h1server.start_https),
+    answering at `path`."""
 
     scheme = "https"
     has_path = True
     shared = True
     server: asyncio.Server | None = None
-    conns: set[H2ServerProtocol]
-
     async def _serve(self) -> HostPort:
-        ssl = self.ssl_context(["h2"])
+        ssl = self.ssl_context(ALPN)
         app = DohApp(self.pipeline, self.stats, self.cfg.path)
         hp = self.cfg.listen
-        self.server, self.conns = await start_h2(app, self.stats, self.limits, hp.host, hp.port, ssl,
+        self.server, self.conns = await start_https(app, self.stats, self.limits, hp.host, hp.port, ssl,
                                                  reuse_port=self.reuse_port)
         return bound_address(self.server.sockets[0].getsockname())
 

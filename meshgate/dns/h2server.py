@@ -13,6 +13,8 @@ once its last chunk has been copied into frames (at once when the answer fits
 one DATA frame and the windows: h2wire.respond(); else by `data_to_send()`);
 a body still queued when the client resets the stream is dropped.
 
+HTTP/1.1 on the same listener: meshgate.dns.h1server (start_https picks per connection).
+
 Bounds: request bodies ≤ 65535 bytes (413), header block ≤ 16 KiB, concurrent
 streams ≤ limits.doh_max_streams *counting streams the client reset while
 their handler still runs* (HTTP/2 Rapid Reset, CVE-2023-44487, and
@@ -264,7 +266,7 @@ def _body_len(body: Body) -> int:
 
 class H2ServerProtocol(asyncio.Protocol):
     def __init__(self, handler: Handler, stats: ListenerStats, limits: LimitsConfig,
-                 conns: set[H2ServerProtocol]) -> None:
+                 conns: set[Any]) -> None:
         self.handler = handler
         self.stats = stats
         self.limits = limits
@@ -299,7 +301,8 @@ class H2ServerProtocol(asyncio.Protocol):
             self.transport.abort()
             return
         ssl_obj = transport.get_extra_info("ssl_object")
-        # We offer only h2; a client without ALPN gets h2 with prior knowledge.
+        # h1server.start_https hands over ALPN h2, or no ALPN with the h2 preface; start_h2 offers
+        # only h2 and a client without ALPN gets h2 with prior knowledge.
         if ssl_obj is not None and ssl_obj.selected_alpn_protocol() not in ("h2", None):
             self.stats.error("alpn")
             rlog.debug(f"{self.stats.name} alpn {self.peer}", "doh %s: %s did not negotiate h2 (ALPN %r)",

@@ -1,6 +1,7 @@
 """The ODoH listener (`protocol = "odoh"`): target, proxy, or both (`mode = "dual"`).
 
-Runs on the DoH HTTP/2 server (meshgate.dns.h2server) with this routing:
+Runs on the DoH server (HTTP/2 or HTTP/1.1 per connection: meshgate.dns.h1server.start_https)
+with this routing:
 
 * `GET /.well-known/odohconfigs` (target, dual): the target's current config.
 * `POST <path>?targethost=..&targetpath=..` (proxy, dual): forwarded by the
@@ -24,7 +25,8 @@ from typing import Any
 from meshgate.config import Config, DnsListenerConfig, HostPort, LimitsConfig
 from meshgate.dns import odoh
 from meshgate.dns.doh import DohApp
-from meshgate.dns.h2server import H2ServerProtocol, Response, start_h2
+from meshgate.dns.h1server import ALPN, start_https
+from meshgate.dns.h2server import Response
 from meshgate.dns.listeners import Listener, bound_address
 from meshgate.dns.odoh_proxy import OdohProxy
 from meshgate.dns.odoh_target import OdohTarget
@@ -41,7 +43,7 @@ def _error(status: int, text: str, *extra: tuple[str, str]) -> Response:
 
 
 class OdohApp:
-    """The h2server handler for one ODoH listener."""
+    """The HTTP handler (h2server.Handler, served over HTTP/2 and HTTP/1.1) for one ODoH listener."""
 
     def __init__(self, cfg: DnsListenerConfig, limits: LimitsConfig, pipeline: Pipeline,
                  stats: ListenerStats) -> None:
@@ -96,14 +98,13 @@ class OdohApp:
 
 
 class OdohListener(Listener):
-    """`protocol = "odoh"`: an ODoH target, proxy or both on the HTTP/2 server. Stays in the main
+    """`protocol = "odoh"`: an ODoH target, proxy or both on the HTTP/2 + HTTP/1.1 server. Stays in the main
     process with dns.workers > 1 (one target key pair, rotated in one place)."""
 
     scheme = "https"
     has_path = True
     app: OdohApp | None = None
     server: asyncio.Server | None = None
-    conns: set[H2ServerProtocol]
     timer: asyncio.TimerHandle | None = None  # the next key rotation
 
     @property
@@ -115,10 +116,10 @@ class OdohListener(Listener):
 
     async def _serve(self) -> HostPort:
         cfg = self.cfg
-        ctx = self.ssl_context(["h2"])
+        ctx = self.ssl_context(ALPN)
         self.app = OdohApp(cfg, self.limits, self.pipeline, self.stats)
         try:
-            self.server, self.conns = await start_h2(
+            self.server, self.conns = await start_https(
                 self.app, self.stats, self.limits, cfg.listen.host, cfg.listen.port, ctx
             )
         except BaseException:

@@ -13,7 +13,8 @@ client holding a just-replaced config keeps working for one full period.
 
 Answers are sealed straight into a pooled buffer (`seal_response_into`) that
 the HTTP layer recycles once h2wire has copied it into its frames (the join in
-`respond()`/`data_to_send()`), and drops if the stream is reset first.
+`respond()`/`data_to_send()`), or, over HTTP/1.1 (h1server), once the TLS
+transport holds nothing more; it drops it if the stream or connection goes first.
 """
 
 from __future__ import annotations

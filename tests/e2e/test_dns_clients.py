@@ -210,3 +210,30 @@ async def test_meshgate_dns_query_cli(node: Node, scheme: str) -> None:
                         "--server", server, "--cafile", str(node.state / "dns-selfsigned.crt"))
     assert rc == 0, out
     assert "status: NOERROR" in out and "192.0.2.1" in out
+
+
+async def test_curl_doh_http11_and_http2_on_one_port(node: Node, tmp_path: Path) -> None:
+    """DoH over HTTP/1.1 (issue 16 item 1) under `meshgate run` (uvloop: the connection is handed
+    to the HTTP/2 core by ALPN with transport.set_protocol), and HTTP/2 still on the same port."""
+    import dns.message
+
+    curl = require_tool("curl")
+    url = f"https://localhost:{node.ports['doh']}/dns-query"
+    ca = ["--cacert", str(node.state / "dns-selfsigned.crt"),
+          "--resolve", f"localhost:{node.ports['doh']}:127.0.0.1"]
+    qfile, body = tmp_path / "q.bin", tmp_path / "a.bin"
+    q = dns.message.make_query("www.example.test", "A")
+    qfile.write_bytes(q.to_wire())
+    w = "%{http_code} %{http_version} %{content_type}"
+    rc, out = await run(curl, "-sS", "--http1.1", *ca, "-o", str(body), "-w", w, f"{url}?dns={RFC_GET}")
+    assert (rc, out) == (0, "200 1.1 application/dns-message"), out
+    assert dns.message.from_wire(body.read_bytes()).question[0].name.to_text() == "www.example.com."
+    for version, flag in (("1.1", "--http1.1"), ("2", "--http2")):
+        rc, out = await run(curl, "-sS", flag, *ca, "-o", str(body), "-w", w, "-H",
+                            "content-type: application/dns-message", "--data-binary", f"@{qfile}", url)
+        assert (rc, out) == (0, f"200 {version} application/dns-message"), out
+        answer = dns.message.from_wire(body.read_bytes())
+        assert answer.id == q.id and "192.0.2.1" in answer.to_text()
+    rc, out = await run(curl, "-sS", "--http1.1", *ca, "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST",
+                        url)
+    assert (rc, out) == (0, "411"), out
