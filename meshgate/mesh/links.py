@@ -30,6 +30,8 @@ from meshgate.mesh.frames import (
 log = logging.getLogger("meshgate.mesh.links")
 _rlog = RateLimitedLog(log)
 
+RTT_GAIN = 1 / 8  # the smoothed RTT's EWMA gain once warmed up (TCP's SRTT, RFC 6298)
+
 
 class LinkOwner(Protocol):
     node_id: int
@@ -60,7 +62,9 @@ class LinkBase:
         self.closed: asyncio.Future[bool] = self.loop.create_future()  # result: was it established
         self._timer: asyncio.TimerHandle | None = None
         self.last_rx = self.loop.time()
-        self.latency_us = 0  # smoothed ping RTT; 0 = not measured yet
+        self.latency_us = 0  # smoothed ping RTT in µs; 0 = not measured yet
+        self.rtt_samples = 0  # ping round trips measured
+        self._srtt = 0.0
         self.bytes_in = 0
         self.bytes_out = 0
         self.bytes_reported = (0, 0)
@@ -115,6 +119,14 @@ class LinkBase:
             self.fail("timeout", "handshake timed out")
 
     # ------------------------------------------------------------ for the owner
+
+    def rtt_sample(self, rtt_us: int) -> None:
+        """One ping round trip. The smoothed RTT is the mean of the first 8 samples,
+        then an EWMA with gain 1/8: no single sample (a slow first ping at link-up
+        among them) rules it for long."""
+        self.rtt_samples += 1
+        self._srtt += max(RTT_GAIN, 1 / self.rtt_samples) * (rtt_us - self._srtt)
+        self.latency_us = max(1, round(self._srtt))
 
     def send_frame(
         self, ftype: int, flags: int, hop: int, src: int, dst: int, head: Any, data: Any = b""

@@ -83,6 +83,23 @@ _forwarded = REGISTRY.counter("meshgate_mesh_frames_forwarded_total", "Frames re
 OPEN_TIMEOUT = 10.0
 MIN_BUILD_INTERVAL = 0.05  # seconds between route builds while records keep changing
 ORIGINATE_DELAY = 0.05  # coalesce changes of the own record made within this time
+# A neighbour's smoothed latency is re-originated when it moved from what the own
+# record says by more than LATENCY_CHANGE of it and LATENCY_FLOOR_US, at most once
+# per LATENCY_HOLD_PINGS ping intervals (a link's first measurement goes at once).
+LATENCY_CHANGE = 0.2
+LATENCY_FLOOR_US = 50
+LATENCY_HOLD_PINGS = 5
+
+
+def rtt_clock_us() -> int:
+    """Microseconds on the monotonic clock, for ping tokens and RTTs. Not loop.time():
+    uvloop's counts whole milliseconds, so a loopback round trip read 0 or 1 ms."""
+    return time.monotonic_ns() // 1000
+
+
+def latency_moved(now_us: int, recorded_us: int) -> bool:
+    """Whether a smoothed latency differs enough from the recorded one to re-originate."""
+    return abs(now_us - recorded_us) > max(LATENCY_FLOOR_US, LATENCY_CHANGE * recorded_us)
 
 
 def load_node_id(state_dir: Path) -> int:
@@ -118,6 +135,7 @@ class MeshService:
         self.handshake_timeout = limits.handshake_timeout
         self.ping_interval = limits.mesh_ping_interval
         self.dead_after = limits.mesh_dead_after
+        self.latency_hold = LATENCY_HOLD_PINGS * self.ping_interval
         self.link_buffer = limits.mesh_link_buffer
         self.policy_flag = FLAG_LATENCY if config.mesh.policy == "least-latency" else 0
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start()
@@ -150,6 +168,8 @@ class MeshService:
         self._build_interval = MIN_BUILD_INTERVAL
         self._build_timer: asyncio.TimerHandle | None = None
         self._originate_timer: asyncio.TimerHandle | None = None
+        self._latency_timer: asyncio.TimerHandle | None = None
+        self._last_originated = -1e9  # loop time the own record last changed
         self._reachable: set[int] = {self.node_id}
         self.listen_addrs: list[str] = []
         self.stats: collections.Counter[str] = collections.Counter()  # per-instance, for tests and status
@@ -191,6 +211,8 @@ class MeshService:
             self._build_timer.cancel()
         if self._originate_timer is not None:
             self._originate_timer.cancel()
+        if self._latency_timer is not None:
+            self._latency_timer.cancel()
         for listening in self._listening:
             listening.close()
         for task in list(self._tasks):
@@ -348,13 +370,41 @@ class MeshService:
             best = self._best_link(nid)
             neighbours.append((nid, best.latency_us if best is not None else 0))
         if self.table.update_local(neighbours=tuple(sorted(neighbours))):
+            self._last_originated = self.loop.time()
             self._schedule_sync()
+
+    def _latency_changed(self, nid: int) -> None:
+        """A new RTT sample on a link to `nid`: re-originate if the latency the record
+        would carry moved enough; latency-only changes at most once per `latency_hold`."""
+        best = self._best_link(nid)
+        recorded = dict(self.table.local.neighbours).get(nid)
+        if best is None or recorded is None:
+            return  # not in the own record yet: the pending origination takes the latency along
+        if recorded == 0:
+            self._update_neighbours()  # the first measurement: at once
+            return
+        if not latency_moved(best.latency_us, recorded):
+            return
+        due = self._last_originated + self.latency_hold
+        if self.loop.time() >= due:
+            self._update_neighbours()
+        elif self._latency_timer is None:
+            self._latency_timer = self.loop.call_at(due, self._latency_due)
+
+    def _latency_due(self) -> None:
+        self._latency_timer = None
+        recorded = dict(self.table.local.neighbours)
+        for nid in self.links:
+            best = self._best_link(nid)
+            if best is not None and nid in recorded and latency_moved(best.latency_us, recorded[nid]):
+                self._update_neighbours()
+                return
 
     # ------------------------------------------------------------------ liveness
 
     def _send_ping(self, link: LinkBase) -> None:
         assert link.peer is not None
-        token = U64.pack(int(self.loop.time() * 1e6))
+        token = U64.pack(rtt_clock_us())
         link.send_frame(PING, 0, 1, self.node_id, link.peer.node_id, token)
 
     def _tick(self) -> None:
@@ -405,16 +455,13 @@ class MeshService:
         link.bytes_reported = (link.bytes_in, link.bytes_out)
 
     def _on_pong(self, link: LinkBase, body: memoryview) -> None:
-        if len(body) != 8:
+        if len(body) != 8 or link.peer is None:
             return
-        rtt = max(1, int(self.loop.time() * 1e6) - U64.unpack(body)[0])
-        old = link.latency_us
-        link.latency_us = rtt if old == 0 else (old * 7 + rtt) // 8
-        # re-originate only on a real change, so jitter does not flood the mesh
-        recorded = dict(self.table.local.neighbours).get(link.peer.node_id if link.peer else 0, 0)
-        new = link.latency_us
-        if recorded == 0 or abs(new - recorded) > max(1000, recorded // 4):
-            self._update_neighbours()
+        rtt = rtt_clock_us() - U64.unpack(body)[0]
+        if not 0 <= rtt < 1 << 32:
+            return  # not a token this process sent
+        link.rtt_sample(max(1, rtt))
+        self._latency_changed(link.peer.node_id)
 
     # ------------------------------------------------------------------ routing sync
 
