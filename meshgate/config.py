@@ -503,6 +503,21 @@ class _Reader:
                 self.problem(f"{prefix}{key}[{i}]", str(e))
         return tuple(out)
 
+    def secret(self, raw: Mapping[str, Any], prefix: str, key: str, default: str, env: str) -> str:
+        """A secret from `KEY_file` (read, stripped), else `KEY`, else $ENV, else `default`.
+        The environment variable keeps it out of files and images (compose env_file); the
+        file's value and then a CLI override win over it. Problems never echo the value."""
+        value = self.value(raw, prefix, key, _parse_str, default or os.environ.get(env, ""))
+        file_key = f"{key}_file"
+        if file_key in raw:
+            path = self.value(raw, prefix, file_key, _parse_nonempty_str, "")
+            if path:
+                try:
+                    value = Path(os.path.expanduser(path)).read_text().strip()
+                except OSError as e:
+                    self.problem(f"{prefix}{file_key}", f"cannot read {path!r}: {e.strerror}")
+        return value
+
     def dataclass_fields(self, raw: Mapping[str, Any], prefix: str, default: Any) -> Any:
         """Scalar sections (limits, tun): type taken from the default value."""
         known = [f.name for f in fields(default)]
@@ -614,15 +629,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
     r.table(n, "node.", ["name", "network", "secret", "secret_file", "ipv4", "ipv6", "state_dir"])
     # MESHGATE_SECRET keeps the secret out of files and images (compose env_file);
     # the file's secret / secret_file and then --secret win over it.
-    env_secret = os.environ.get("MESHGATE_SECRET", "")
-    secret = r.value(n, "node.", "secret", _parse_str, base.node.secret or env_secret)
-    if "secret_file" in n:
-        path = r.value(n, "node.", "secret_file", _parse_nonempty_str, "")
-        if path:
-            try:
-                secret = Path(os.path.expanduser(path)).read_text().strip()
-            except OSError as e:
-                r.problem("node.secret_file", f"cannot read {path!r}: {e.strerror}")
+    secret = r.secret(n, "node.", "secret", base.node.secret, "MESHGATE_SECRET")
     node = NodeConfig(
         name=r.value(n, "node.", "name", _parse_nonempty_str, base.node.name),
         network=r.value(n, "node.", "network", _parse_nonempty_str, base.node.network),
@@ -714,16 +721,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         r.problem("tun.mtu", f"{tun.mtu} is outside 576-65535")
     a = _section(r, raw, "admin")
     r.table(a, "admin.", ["enable", "listen", "token", "token_file", "hosts"])
-    # MESHGATE_ADMIN_TOKEN keeps the token out of files, like MESHGATE_SECRET
-    env_token = os.environ.get("MESHGATE_ADMIN_TOKEN", "")
-    token = r.value(a, "admin.", "token", _parse_str, base.admin.token or env_token)
-    if "token_file" in a:
-        tpath = r.value(a, "admin.", "token_file", _parse_nonempty_str, "")
-        if tpath:
-            try:
-                token = Path(os.path.expanduser(tpath)).read_text().strip()
-            except OSError as e:
-                r.problem("admin.token_file", f"cannot read {tpath!r}: {e.strerror}")
+    token = r.secret(a, "admin.", "token", base.admin.token, "MESHGATE_ADMIN_TOKEN")
     if token and len(token) < 16:
         key = "admin.token_file" if "token_file" in a else "admin.token"
         r.problem(key, "too short; use at least 16 characters")

@@ -31,7 +31,6 @@ from meshgate import replies
 from meshgate.buffers import BufferPool
 from meshgate.config import Config, HostPort, IPNetwork
 from meshgate.egress.dialer import Dialer, DialError
-from meshgate.errors import bind_error
 from meshgate.gateway import http1
 from meshgate.gateway.server import (
     _CLOSED,
@@ -42,6 +41,7 @@ from meshgate.gateway.server import (
     UpstreamProtocol,
     peer_text,
 )
+from meshgate.gateway.service import PortalService
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY
 from meshgate.netfmt import host_port
@@ -303,14 +303,19 @@ class HttpClient(ClientProtocol):
         self.begin_relay(transport, reply, early)
 
 
-class HttpProxyService:
+class HttpProxyService(PortalService):
     name = "http_proxy"
+    listen_key = "http_proxy.listen"
 
     def __init__(self, config: Config, dialer: Dialer, routes: Routes | None = None) -> None:
-        self.config = config
-        self.dialer = dialer
+        super().__init__(config, dialer)
         self.routes = routes
-        self.server: HttpProxyServer | None = None
+
+    def listen_address(self) -> HostPort:
+        return self.config.http_proxy.listen
+
+    def make_server(self) -> HttpProxyServer:
+        return HttpProxyServer(self.config, self.dialer, self.pac)
 
     def pac(self, proxy: str) -> str:
         cfg = self.config
@@ -318,34 +323,14 @@ class HttpProxyService:
                          names=(name for name, _ in cfg.dns.records),
                          everything=bool(cfg.mesh.exit_nodes))
 
-    async def start(self) -> None:
-        addr = self.config.http_proxy.listen
-        self.server = HttpProxyServer(self.config, self.dialer, self.pac)
-        try:
-            await self.server.start(addr.host, addr.port)
-        except OSError as e:
-            self.server = None
-            raise bind_error("http_proxy.listen", addr, e) from None
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.close()
-            self.server = None
-
-    @property
-    def address(self) -> HostPort | None:
-        if self.server is None or self.server.server is None:
-            return None
-        host, port = self.server.sockname
-        return HostPort(host, port)
-
     def status(self) -> dict[str, Any]:
         addr = self.address
+        auth = isinstance(self.server, HttpProxyServer) and self.server.auth_required
         out: dict[str, Any] = {
             "listen": str(addr) if addr else None,
             "clients": len(self.server.clients) if self.server else 0,
             "max_clients": self.config.socks5.max_clients,
-            "auth": "basic" if self.server is not None and self.server.auth_required else "none",
+            "auth": "basic" if auth else "none",
         }
         if addr is not None:
             out["notes"] = [

@@ -1,4 +1,5 @@
-"""The SOCKS5 portal as a node service named "socks5", handed its dialer by the node."""
+"""The portals as node services, handed their dialer by the node: SOCKS5 ("socks5") here,
+the HTTP proxy ("http_proxy") in http_proxy.py; `PortalService` is what both share."""
 
 from __future__ import annotations
 
@@ -16,26 +17,32 @@ from meshgate.gateway.socks5 import MAX_UDP_HEADER
 _UDP_BUFFER = 65536
 
 
-class Socks5Service:
-    name = "socks5"
+class PortalService:
+    """Start, stop and the bound address of one portal listener; a subclass names its config
+    key and makes its server."""
+
+    name = ""
+    listen_key = ""  # the config key a bind failure names
 
     def __init__(self, config: Config, dialer: Dialer) -> None:
         self.config = config
         self.dialer = dialer
-        cfg = config
-        self.pool = BufferPool(
-            capacity=_UDP_BUFFER, headroom=MAX_UDP_HEADER, max_free=min(cfg.limits.buffer_pool_size, 64)
-        )
         self.server: Socks5Server | None = None
 
+    def listen_address(self) -> HostPort:
+        raise NotImplementedError
+
+    def make_server(self) -> Socks5Server:
+        raise NotImplementedError
+
     async def start(self) -> None:
-        addr = self.config.socks5.listen
-        self.server = Socks5Server(self.config, self.dialer, self.pool)
+        addr = self.listen_address()
+        self.server = self.make_server()
         try:
             await self.server.start(addr.host, addr.port)
         except OSError as e:
             self.server = None
-            raise bind_error("socks5.listen", addr, e) from None
+            raise bind_error(self.listen_key, addr, e) from None
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -48,6 +55,26 @@ class Socks5Service:
             return None
         host, port = self.server.sockname
         return HostPort(host, port)
+
+    def status(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class Socks5Service(PortalService):
+    name = "socks5"
+    listen_key = "socks5.listen"
+
+    def __init__(self, config: Config, dialer: Dialer) -> None:
+        super().__init__(config, dialer)
+        self.pool = BufferPool(
+            capacity=_UDP_BUFFER, headroom=MAX_UDP_HEADER, max_free=min(config.limits.buffer_pool_size, 64)
+        )
+
+    def listen_address(self) -> HostPort:
+        return self.config.socks5.listen
+
+    def make_server(self) -> Socks5Server:
+        return Socks5Server(self.config, self.dialer, self.pool)
 
     def status(self) -> dict[str, Any]:
         addr = self.address
