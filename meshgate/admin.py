@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from meshgate.config import Config
+from meshgate.config import Config, parse_host_port
 from meshgate.errors import bind_error
 from meshgate.metrics import REGISTRY
 from meshgate.netfmt import host_port, is_loopback
@@ -200,8 +200,6 @@ class AdminService:
 
 async def fetch(address: str, path: str, timeout: float = 5.0, token: str = "") -> tuple[int, bytes]:
     """Client side for the CLI: GET `path` from the admin API at `address`."""
-    from meshgate.config import parse_host_port
-
     hp = parse_host_port(address, 15888)
     reader, writer = await asyncio.wait_for(asyncio.open_connection(hp.host, hp.port), timeout)
     auth = f"Authorization: Bearer {token}\r\n" if token else ""

@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 
+from meshgate import logs
 from meshgate.config import Config
 from meshgate.dns.resolver import NameTable, Pipeline, upstream_urls
 from meshgate.dns.service import DnsService
@@ -34,6 +35,7 @@ from meshgate.dns.worker_pool import (
     read_frame,
 )
 from meshgate.errors import StartupError
+from meshgate.loop import new_loop
 
 
 class ParentUpstream(Upstream):
@@ -162,9 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != setup["parent"]:
         return 1  # the parent died before PR_SET_PDEATHSIG was armed
     config: Config = setup["config"]
-    from meshgate import logs
-    from meshgate.loop import new_loop
-
     logs.setup(config.log_level)
     loop = new_loop(setup["loop"])
     try:

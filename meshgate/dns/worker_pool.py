@@ -55,7 +55,8 @@ from pathlib import Path
 from typing import Any
 
 import meshgate
-from meshgate.config import Config, DnsListenerConfig
+from meshgate.config import Config, DnsListenerConfig, MeshConfig, Socks5Config
+from meshgate.dns import wire
 from meshgate.dns.resolver import Names, NameTable, Pipeline
 from meshgate.errors import StartupError
 from meshgate.metrics import REGISTRY
@@ -166,8 +167,6 @@ class CounterMerge:
 def worker_config(config: Config, listeners: list[DnsListenerConfig]) -> Config:
     """What a worker needs: the DNS settings with the listeners it shares (bound ports, cert paths
     filled in) and the node's name for the zone; no mesh, network secret or SOCKS users."""
-    from meshgate.config import MeshConfig, Socks5Config
-
     node = dataclasses.replace(config.node, secret="")
     dns = dataclasses.replace(config.dns, listeners=tuple(listeners), workers=1)
     return dataclasses.replace(config, node=node, mesh=MeshConfig(), socks5=Socks5Config(), dns=dns)
@@ -371,8 +370,6 @@ class WorkerPool:
 async def answer_for_worker(pipeline: Pipeline, data: bytes) -> bytes:
     """The main process's answer to a worker's upstream query: its own pipeline (local
     names, shared cache, then its upstreams, coalesced), packed under the worker's ID."""
-    from meshgate.dns import wire
-
     q = wire.parse_query(data)
     now = asyncio.get_running_loop().time()
     ans = pipeline.lookup(q, now) or await pipeline.resolve(q)

@@ -7,6 +7,8 @@ import contextlib
 import socket
 from collections.abc import Callable
 
+from meshgate.mesh.tun_routes import mark_socket
+
 ProtocolFactory = Callable[[], asyncio.Protocol]
 
 
@@ -21,8 +23,6 @@ def tune(transport: asyncio.BaseTransport) -> None:
 async def listen(host: str, port: int, factory: ProtocolFactory) -> asyncio.Server:
     """Listen for links; the listening socket is marked (accepted sockets inherit
     the mark), so replies on inbound links also bypass an exit default route."""
-    from meshgate.mesh.tun_routes import mark_socket
-
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, type_, proto, _name, addr = infos[0]
@@ -46,8 +46,6 @@ async def connect(host: str, port: int, factory: ProtocolFactory, timeout: float
 
 
 async def _connect_marked(host: str, port: int, factory: ProtocolFactory) -> asyncio.Transport:
-    from meshgate.mesh.tun_routes import mark_socket
-
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     last: OSError | None = None

@@ -47,6 +47,7 @@ from meshgate.config import LimitsConfig, LinkUrl
 from meshgate.logs import RateLimitedLog
 from meshgate.mesh.frames import HELLO, LinkError, encode_hello
 from meshgate.mesh.links import LinkBase, LinkOwner
+from meshgate.mesh.tun_routes import mark_socket
 from meshgate.mesh.udp_session import KIND_DATA, KIND_INIT, UdpSession, is_init, payload_size, receiver_id
 from meshgate.metrics import REGISTRY, LocalCounter
 from meshgate.netfmt import host_port
@@ -643,8 +644,6 @@ class UdpListener:
 
 
 async def listen(host: str, port: int, make_link: LinkMaker, limits: LimitsConfig) -> UdpListener:
-    from meshgate.mesh.tun_routes import mark_socket
-
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE)
     family, type_, proto, _name, addr = infos[0]
@@ -664,8 +663,6 @@ async def connect(
     url: LinkUrl, make_link: Callable[[UdpSocket, Any], UdpLink], limits: LimitsConfig
 ) -> UdpLink:
     """A link on its own connected socket, not yet begun (call `begin()`)."""
-    from meshgate.mesh.tun_routes import mark_socket
-
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(url.host, url.port, type=socket.SOCK_DGRAM)
     family, type_, proto, _name, addr = infos[0]
