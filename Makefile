@@ -2,8 +2,9 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# System tools the end-to-end and system tests drive (installed with apt when root; procps: ps, sysctl).
-APT_TOOLS := curl chromium dnsperf knot-dnsutils bind9-dnsutils iproute2 nftables iperf3 openssl procps
+# System tools the end-to-end and system tests drive (installed with apt when root; procps: ps, sysctl;
+# libnss3-tools: certutil, for `meshgate tls trust`).
+APT_TOOLS := curl chromium dnsperf knot-dnsutils bind9-dnsutils iproute2 nftables iperf3 openssl procps libnss3-tools
 APT_STAMP := $(VENV)/.apt-done
 PY_STAMP := $(VENV)/.py-done
 
@@ -17,7 +18,7 @@ $(PY_STAMP): pyproject.toml
 
 venv: $(PY_STAMP)
 
-$(APT_STAMP): | $(PY_STAMP)
+$(APT_STAMP): Makefile | $(PY_STAMP)
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  missing=""; for p in $(APT_TOOLS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	  if [ -n "$$missing" ]; then \

@@ -218,6 +218,52 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(args)
 
 
+def _tls_config(args: argparse.Namespace) -> config.Config | None:
+    """The config `meshgate tls` reads: -c FILE, or the defaults with --state-dir. Without the
+    mesh part (a file whose secret comes from $MESHGATE_SECRET at `run` loads without it)."""
+    try:
+        cfg = config.load(args.config, {"mesh": {"listen": [], "peers": []}})
+    except config.ConfigError as e:
+        _print_config_error(e)
+        return None
+    if args.state_dir:
+        cfg = replace(cfg, node=replace(cfg.node, state_dir=args.state_dir))
+    return cfg
+
+
+def cmd_tls(args: argparse.Namespace) -> int:
+    """`meshgate tls show|trust`: the node's local CA (made if missing, with -c; only read when
+    there), and adding it to the NSS databases Chromium and Firefox read (meshgate/tls.py,
+    docs/OPERATIONS.md)."""
+    from meshgate import tls
+
+    cfg = _tls_config(args)
+    if cfg is None:
+        return EXIT_CONFIG
+    ca = cfg.state_path / tls.CA_CERT_NAME
+    try:
+        if not ca.exists():
+            if args.state_dir:  # made here it would carry the default node name
+                print(f"meshgate: no local CA in {cfg.state_path} yet: start the node once, or use"
+                      " -c CONFIG", file=sys.stderr)
+                return EXIT_CONFIG
+            ca, _key = tls.ensure_ca(cfg.state_path, cfg.node.name, cfg.dns.zone)
+        fingerprint, nickname = tls.fingerprint(ca), tls.ca_nickname(ca)
+    except OSError as e:
+        print(f"meshgate: {ca}: {e.strerror or e} (run this as the node's user, or as a user who can"
+              " read its state directory)", file=sys.stderr)
+        return EXIT_STARTUP
+    if args.tls_command == "show":
+        print(f"CA certificate: {ca}")
+        print(f"SHA-256 fingerprint: {fingerprint}")
+        print(f"nickname: {nickname}")
+        leaf = cfg.state_path / tls.CERT_NAME
+        if leaf.exists():
+            print(f"listener certificate: {leaf}")
+        return EXIT_OK
+    return tls.trust(ca, Path.home())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshgate", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -278,6 +324,16 @@ def build_parser() -> argparse.ArgumentParser:
     ssub = sec.add_subparsers(dest="secret_command", required=True)
     sn = ssub.add_parser("new", help="print a new random network secret (256 bits)")
     sn.set_defaults(func=cmd_secret)
+
+    t = sub.add_parser("tls", help="the node's local CA: show it, trust it in browsers")
+    tsub = t.add_subparsers(dest="tls_command", required=True)
+    for name, helptext in (("show", "print the CA certificate's path and SHA-256 fingerprint"),
+                           ("trust", "add the CA to this user's NSS databases (Chromium, Firefox)")):
+        tc = tsub.add_parser(name, help=helptext)
+        where = tc.add_mutually_exclusive_group()
+        where.add_argument("--state-dir", metavar="DIR", help="the node's state directory")
+        where.add_argument("-c", "--config", help="TOML config file (its node.state_dir)")
+        tc.set_defaults(func=cmd_tls)
 
     v = sub.add_parser("version")
     v.set_defaults(func=lambda _a: print(f"meshgate {__version__}") or 0)

@@ -40,6 +40,7 @@ DNS_LISTENERS: dict[str, str] = {
     "odoh": "meshgate.dns.odoh_server:OdohListener",
 }
 
+PLAIN = ("udp", "tcp")  # the kinds without TLS
 STOP_WAIT = 2.0  # seconds stop() waits for a server's connections to finish closing
 
 
@@ -70,7 +71,7 @@ class Listener:
         self.stats = ListenerStats(self.stats_name(cfg.listen))
         self.bound: HostPort | None = None
         self.conns: set[Any] = set()  # live connections (none for UDP)
-        self.generated_cert: Path | None = None  # the self-signed certificate it made, if any
+        self.generated_cert: Path | None = None  # the certificate the local CA issued it, if any
         self._tls: tuple[str, str] | None = None
 
     # ------------------------------------------------------------------ names
@@ -98,13 +99,18 @@ class Listener:
     # ------------------------------------------------------------------ lifecycle
 
     def tls_files(self) -> tuple[str, str]:
-        """The certificate and key: the listener's own, or the node's self-signed pair (made once,
-        in the state directory)."""
+        """The certificate and key: the listener's own, or the one the node's local CA issues in
+        the state directory (meshgate/tls.py) for the addresses of every TLS listener without
+        its own, so all of them share one certificate."""
         if self._tls is None:
             if self.cfg.cert and self.cfg.key:
                 self._tls = (self.cfg.cert, self.cfg.key)
             else:
-                cert, key = tls.ensure_self_signed(self.config.state_path)
+                hosts = [lst.listen.host for lst in self.config.dns.listeners
+                         if lst.protocol not in PLAIN and not (lst.cert and lst.key)]
+                cert, key = tls.ensure_listener_cert(
+                    self.config.state_path, [*hosts, self.cfg.listen.host],
+                    node_name=self.config.node.name, zone=self.config.dns.zone)
                 self.generated_cert = cert
                 self._tls = (str(cert), str(key))
         return self._tls
@@ -152,7 +158,7 @@ class Listener:
     def status(self) -> dict[str, Any]:
         notes = [self.url]
         if self.generated_cert is not None:
-            notes.append(f"self-signed certificate: {self.generated_cert}")
+            notes.append(tls.cert_note(self.generated_cert))
         return {"listen": self.url, "notes": notes, "stats": self.stats.snapshot()}
 
 

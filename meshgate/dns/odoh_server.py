@@ -22,6 +22,7 @@ import logging
 from collections.abc import Awaitable
 from typing import Any
 
+from meshgate import tls
 from meshgate.config import Config, DnsListenerConfig, HostPort, LimitsConfig
 from meshgate.dns import odoh
 from meshgate.dns.doh import DohApp
@@ -161,7 +162,7 @@ class OdohListener(Listener):
         if app is not None and app.proxy is not None:
             notes.append(f"proxy URI {self.url}?targethost={{targethost}}&targetpath={{targetpath}}")
         if self.generated_cert is not None:
-            notes.append(f"self-signed certificate {self.generated_cert}")
+            notes.append(tls.cert_note(self.generated_cert))
         return {"listen": self.url, "notes": notes, "stats": self.stats.snapshot()}
 
 

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshgate import tls
 from meshgate.config import Config, DnsListenerConfig
 from meshgate.dns.listeners import Listener, listener_class
 from meshgate.dns.resolver import Pipeline
@@ -47,7 +48,7 @@ class DnsService:
 
     @property
     def generated_cert(self) -> Path | None:
-        """The self-signed certificate a listener made (one per node, in its state directory)."""
+        """The certificate the local CA issued the listeners (one per node, in its state directory)."""
         return next((lst.generated_cert for lst in self.listeners if lst.generated_cert is not None), None)
 
     async def start(self) -> None:
@@ -90,7 +91,7 @@ class DnsService:
     def status(self) -> dict[str, Any]:
         notes = list(self.urls)
         if self.generated_cert is not None:
-            notes.append(f"self-signed certificate: {self.generated_cert}")
+            notes.append(tls.cert_note(self.generated_cert))
         return {
             "listen": ", ".join(self.urls),
             "notes": notes,

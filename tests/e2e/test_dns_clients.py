@@ -91,7 +91,7 @@ listen = "127.0.0.1:{doh}"
     assert proc.stdout is not None
     banner = ""
     try:
-        while "self-signed certificate" not in banner:
+        while "TLS certificate" not in banner:
             line = await asyncio.wait_for(proc.stdout.readline(), 60)  # a cold start on a busy CI box
             if not line:
                 raise AssertionError(f"meshgate run exited: {banner}")
