@@ -210,6 +210,8 @@ meshgate demo is up ({self.mode} mode): portal -> relay -> exit -> web
             (Chromium: chromium --proxy-server=socks5://127.0.0.1:{pt.socks5})
             then open {self.url("10.2.2.10")}  or  {self.url("web.mesh.internal")}
   DoH URL:  https://127.0.0.1:{pt.doh}/dns-query   (DoQ: quic://127.0.0.1:{pt.doq})
+            a browser uses it once it trusts the portal's local CA:
+            meshgate tls trust --state-dir /tmp/meshgate-demo/portal
 
   Try:
     curl --proxy socks5h://127.0.0.1:{pt.socks5} {self.url("10.2.2.10")}
