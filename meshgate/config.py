@@ -178,6 +178,14 @@ class DnsListenerConfig:
 
 
 @dataclass(frozen=True)
+class DnsRouteConfig:
+    """[[dns.route]]: names at or under `suffix` (lowercased, trailing dot) go to `upstreams`."""
+
+    suffix: str
+    upstreams: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class DnsConfig:
     zone: str = "mesh.internal."
     upstreams: tuple[str, ...] = ()
@@ -185,6 +193,7 @@ class DnsConfig:
     records: tuple[tuple[str, str], ...] = ()
     listeners: tuple[DnsListenerConfig, ...] = ()
     workers: int = 1  # processes answering udp/tcp/dot/doh listeners (SO_REUSEPORT); "auto" = CPU count
+    routes: tuple[DnsRouteConfig, ...] = ()  # split DNS: the longest matching suffix wins
 
 
 @dataclass(frozen=True)
@@ -617,6 +626,53 @@ def _normalize_zone(zone: str) -> str:
     return zone.lower().rstrip(".") + "."
 
 
+def _route_suffix(value: object) -> str:
+    s = _parse_nonempty_str(value)
+    name = _normalize_zone(s.strip())
+    if name == ".":
+        raise ValueError(f"{s!r} is the root, which dns.upstreams already serves")
+    labels = name[:-1].split(".")
+    if any(not 1 <= len(label.encode()) <= 63 for label in labels) or len(name) > 254:
+        raise ValueError(f"{s!r} is not a domain name: labels of 1-63 bytes, 253 in all")
+    if any(c.isspace() or c == "/" for c in name) or not name.isascii():
+        raise ValueError(f"{s!r} is not a domain name: ASCII (IDNA's xn-- form), no spaces or slashes")
+    return name
+
+
+def _read_routes(r: _Reader, d: Mapping[str, Any], zone: str) -> list[DnsRouteConfig]:
+    raw_routes = d["route"]
+    if not isinstance(raw_routes, list):
+        r.problem("dns.route", "expected [[dns.route]] tables")
+        return []
+    routes: list[DnsRouteConfig] = []
+    seen: dict[str, int] = {}
+    for i, raw in enumerate(raw_routes):
+        prefix = f"dns.route[{i}]."
+        if not isinstance(raw, dict):
+            r.problem(f"dns.route[{i}]", "expected a table [[dns.route]]")
+            continue
+        r.table(raw, prefix, ["suffix", "upstreams"])
+        if "suffix" not in raw:
+            r.problem(f"{prefix}suffix", "required: the domain whose names go to this route's upstreams")
+        suffix = r.value(raw, prefix, "suffix", _route_suffix, "")
+        upstreams = r.items(raw, prefix, "upstreams", _upstream)
+        if "upstreams" not in raw or (upstreams is not None and not raw["upstreams"]):
+            r.problem(f"{prefix}upstreams", "required: a list of one or more upstream URLs")
+        if not suffix:
+            continue
+        if suffix == zone or suffix.endswith("." + zone):
+            r.problem(f"{prefix}suffix",
+                      f"{suffix!r} is in dns.zone {zone!r}: the mesh zone answers those names")
+            continue
+        if suffix in seen:
+            r.problem(f"{prefix}suffix", f"{suffix!r} is also dns.route[{seen[suffix]}].suffix")
+            continue
+        seen[suffix] = i
+        if upstreams:
+            routes.append(DnsRouteConfig(suffix, upstreams))
+    return routes
+
+
 def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
     """Build a Config from parsed TOML; raises ConfigError listing every problem."""
     base = base or Config()
@@ -686,7 +742,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
     )
 
     d = _section(r, raw, "dns")
-    r.table(d, "dns.", ["zone", "upstreams", "cache_size", "records", "listener", "workers"])
+    r.table(d, "dns.", ["zone", "upstreams", "cache_size", "records", "listener", "workers", "route"])
     records_raw = d.get("records", {})
     records: list[tuple[str, str]] = []
     if not isinstance(records_raw, dict):
@@ -707,13 +763,15 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
                 lst = _read_listener(r, item, f"dns.listener[{i}].")
                 if lst is not None:
                     listeners.append(lst)
+    zone = _normalize_zone(r.value(d, "dns.", "zone", _parse_nonempty_str, base.dns.zone))
     dns = DnsConfig(
-        zone=_normalize_zone(r.value(d, "dns.", "zone", _parse_nonempty_str, base.dns.zone)),
+        zone=zone,
         upstreams=r.items(d, "dns.", "upstreams", _upstream) or base.dns.upstreams,
         cache_size=r.value(d, "dns.", "cache_size", _positive_int, base.dns.cache_size),
         records=tuple(records) or base.dns.records,
         listeners=tuple(listeners) if "listener" in d else base.dns.listeners,
         workers=r.value(d, "dns.", "workers", _dns_workers, base.dns.workers),
+        routes=tuple(_read_routes(r, d, zone)) if "route" in d else base.dns.routes,
     )
 
     tun = r.dataclass_fields(_section(r, raw, "tun"), "tun.", base.tun)

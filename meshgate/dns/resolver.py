@@ -2,6 +2,9 @@
 
     query -> mesh zone (node names, apex SOA/NS) -> static records -> cache -> upstreams
 
+The upstreams asked are those of the longest `[[dns.route]]` suffix the name is at or under,
+else `dns.upstreams` (dns/routes.py); routing happens only on a cache miss.
+
 `lookup()` is synchronous and answers everything that needs no network (the
 hot path: no await per query); `resolve()` goes upstream with coalescing of
 identical questions, timeouts, failover and a bounded number in flight.
@@ -14,7 +17,7 @@ What the pipeline needs from the rest of the node comes in its constructor
   `<name>.<zone>` question is answered; None: only this node's own name;
 - `upstream_route`: for a `tcp://` upstream at an address the mesh routes,
   the connect function that reaches it over a mesh stream (dns/upstream.py,
-  `MeshRoute`); None: every upstream is dialled directly.
+  `MeshRoute`); None: every upstream is dialled directly. Routes' upstreams get it too.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from meshgate.buffers import Buffer, BufferPool
 from meshgate.config import Config
 from meshgate.dns import wire
 from meshgate.dns.cache import AnswerCache
+from meshgate.dns.routes import RouteTable, UpstreamGroup
 from meshgate.dns.stats import ListenerStats
 from meshgate.dns.upstream import MeshRoute, Upstream, parse_upstream, resolv_conf_upstreams
 from meshgate.dns.wire import Answer, FormError, Query, WireError
@@ -68,12 +72,20 @@ def upstream_urls(config: Config) -> list[str]:
     return list(config.dns.upstreams) or resolv_conf_upstreams()
 
 
+def upstream_spans(config: Config) -> int:
+    """The most upstreams one question may fail over through (dns.upstreams or any route's): a
+    DNS worker waits that many timeouts for the main process's answer."""
+    return max([len(upstream_urls(config)), *(len(r.upstreams) for r in config.dns.routes)])
+
+
 class Pipeline:
     def __init__(self, config: Config, *, names: Names | None = None,
                  upstream_route: MeshRoute | None = None, upstreams: list[Upstream] | None = None,
-                 pooled: bool = True) -> None:
-        """`upstreams` replaces the configured ones (tests, DNS workers); `pooled` False packs
-        every answer into a one-off buffer (the benchmark's baseline)."""
+                 routes: dict[str, list[Upstream]] | None = None, pooled: bool = True) -> None:
+        """`upstreams` replaces the configured ones (tests, DNS workers) and then `routes`
+        (suffix -> upstreams) replaces dns.route's: none unless given, so a DNS worker sends
+        every miss to the main process, which routes it. `pooled` False packs every answer into
+        a one-off buffer (the benchmark's baseline)."""
         self.config = config
         self.names = names
         self.zone = wire.encode_name(config.dns.zone)
@@ -85,8 +97,13 @@ class Pipeline:
         if upstreams is None:
             upstreams = [parse_upstream(u, limits=config.limits, route=upstream_route)
                          for u in upstream_urls(config)]
+            if routes is None:
+                routes = {r.suffix: [parse_upstream(u, limits=config.limits, route=upstream_route)
+                                     for u in r.upstreams] for r in config.dns.routes}
         self.upstreams = upstreams
-        self._preferred = 0
+        self.routes = RouteTable(UpstreamGroup("dns.upstreams", upstreams), {
+            wire.encode_name(suffix): UpstreamGroup(suffix, ups) for suffix, ups in (routes or {}).items()
+        })
         self._pending: dict[tuple[bytes, int, int], asyncio.Task[Answer]] = {}
         self.inflight = 0
         self._memo: dict[tuple[bytes, int, int], Answer] = {}
@@ -204,16 +221,29 @@ class Pipeline:
         """Cancel upstream exchanges still running and close pooled upstream connections (service stop)."""
         for fetch in list(self._pending.values()):
             fetch.cancel()
-        for up in self.upstreams:
-            up.close()
+        for group in self.routes.groups():
+            for up in group.upstreams:
+                up.close()
+
+    @property
+    def _preferred(self) -> int:
+        """Which of dns.upstreams answered last."""
+        return self.routes.default.preferred
 
     async def _ask_upstreams(self, q: Query) -> Answer:
         key = (q.name, q.qtype, q.qclass)
         loop = asyncio.get_running_loop()
-        n = len(self.upstreams)
+        # The route is a function of q.name alone, which is in the cache key: answers of
+        # different routes never share a cache entry (nor a coalesced fetch).
+        group = self.routes.group(q.name)
+        upstreams = group.upstreams
+        n = len(upstreams)
+        # Where this question starts, read once: another question that succeeds meanwhile moves
+        # `preferred`, and reading it per attempt would ask one upstream twice and skip another.
+        start = group.preferred
         for i in range(n):
-            idx = (self._preferred + i) % n
-            up = self.upstreams[idx]
+            idx = (start + i) % n
+            up = upstreams[idx]
             qid = secrets.randbits(16)
             query = wire.build_query(qid, q.name, q.qtype, q.qclass, do=q.do)
             _upstream_queries.labels(up.url).inc()
@@ -231,7 +261,7 @@ class Pipeline:
                 continue
             if ans.rcode in (wire.SERVFAIL, wire.REFUSED) and i + 1 < n:
                 continue  # another upstream may do better
-            self._preferred = idx
+            group.preferred = idx
             self.cache.put(key, ans)
             return ans
         return wire.build_answer(q.question, wire.SERVFAIL, aa=False)

@@ -21,7 +21,7 @@ import sys
 
 from meshgate import logs
 from meshgate.config import Config
-from meshgate.dns.resolver import NameTable, Pipeline, upstream_urls
+from meshgate.dns.resolver import NameTable, Pipeline, upstream_spans
 from meshgate.dns.service import DnsService
 from meshgate.dns.upstream import Upstream
 from meshgate.dns.worker_pool import (
@@ -101,9 +101,10 @@ async def _serve(sock: socket.socket, config: Config, index: int) -> int:
     loop = asyncio.get_running_loop()
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     # The worker's pipeline: the mesh's names as the main process last pushed them, and the main
-    # process as its only upstream (it fails over through as many upstreams as it has).
+    # process as its only upstream (it fails over through as many upstreams as it has, or a
+    # [[dns.route]] has: it routes the names a worker sends).
     pushed: list[NameTable] = [{}]
-    parent = ParentUpstream(writer, config.limits.dns_max_inflight, len(upstream_urls(config)))
+    parent = ParentUpstream(writer, config.limits.dns_max_inflight, upstream_spans(config))
     pipeline = Pipeline(config, names=lambda: pushed[0], upstreams=[parent])
     svc = DnsService(config, pipeline, worker=True)
     try:
