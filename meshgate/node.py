@@ -73,7 +73,7 @@ class Node:
         limits = cfg.limits
         mesh_on = bool(cfg.mesh.listen or cfg.mesh.peers or cfg.node.ipv4 or cfg.node.ipv6)
         plan: list[Service] = []
-        if cfg.dns.listeners or cfg.dns.upstreams or cfg.dns.records:
+        if cfg.dns.listeners or cfg.dns.upstreams or cfg.dns.records or cfg.dns.routes:
             from meshgate.dns.resolver import Pipeline
 
             self.resolver = Pipeline(
