@@ -186,6 +186,24 @@ class DnsRouteConfig:
 
 
 @dataclass(frozen=True)
+class DnsBlocklistConfig:
+    """[dns.blocklist]: files of names answered with `answer` instead of being resolved (allow
+    files win); re-read every `refresh` seconds when their mtime or size changed."""
+
+    lists: tuple[str, ...] = ()
+    allow: tuple[str, ...] = ()
+    answer: str = "nxdomain"  # nxdomain, zero (A 0.0.0.0 / AAAA ::, NODATA otherwise), refused
+    refresh: float = 3600.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.lists)
+
+
+BLOCKLIST_ANSWERS = ("nxdomain", "zero", "refused")
+
+
+@dataclass(frozen=True)
 class DnsConfig:
     zone: str = "mesh.internal."
     upstreams: tuple[str, ...] = ()
@@ -194,6 +212,7 @@ class DnsConfig:
     listeners: tuple[DnsListenerConfig, ...] = ()
     workers: int = 1  # processes answering udp/tcp/dot/doh listeners (SO_REUSEPORT); "auto" = CPU count
     routes: tuple[DnsRouteConfig, ...] = ()  # split DNS: the longest matching suffix wins
+    blocklist: DnsBlocklistConfig = DnsBlocklistConfig()
 
 
 @dataclass(frozen=True)
@@ -639,6 +658,35 @@ def _route_suffix(value: object) -> str:
     return name
 
 
+def _list_path(value: object) -> str:
+    s = _parse_nonempty_str(value).strip()
+    scheme, sep, _ = s.partition("://")
+    if sep and scheme.lower() in ("http", "https"):
+        raise ValueError(f"{s!r}: downloading lists (http/https URLs) is not supported yet;"
+                         " fetch the list into a file and name its path (docs/OPERATIONS.md, Blocklists)")
+    if sep:
+        raise ValueError(f"{s!r}: expected the path of a file")
+    return os.path.expanduser(s)
+
+
+def _read_blocklist(r: _Reader, d: Mapping[str, Any], base: DnsBlocklistConfig) -> DnsBlocklistConfig:
+    b = d["blocklist"]
+    if not isinstance(b, dict):
+        r.problem("dns.blocklist", "expected a table [dns.blocklist]")
+        return base
+    r.table(b, "dns.blocklist.", ["lists", "allow", "answer", "refresh"])
+    cfg = DnsBlocklistConfig(
+        lists=r.items(b, "dns.blocklist.", "lists", _list_path) or (),
+        allow=r.items(b, "dns.blocklist.", "allow", _list_path) or (),
+        answer=r.value(b, "dns.blocklist.", "answer", _choice(*BLOCKLIST_ANSWERS), base.answer),
+        refresh=r.value(b, "dns.blocklist.", "refresh", _positive_float, base.refresh),
+    )
+    if cfg.allow and not cfg.lists:
+        r.problem("dns.blocklist.lists", "required with dns.blocklist.allow: the lists the allow files"
+                  " make exceptions to")
+    return cfg
+
+
 def _read_routes(r: _Reader, d: Mapping[str, Any], zone: str) -> list[DnsRouteConfig]:
     raw_routes = d["route"]
     if not isinstance(raw_routes, list):
@@ -742,7 +790,8 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
     )
 
     d = _section(r, raw, "dns")
-    r.table(d, "dns.", ["zone", "upstreams", "cache_size", "records", "listener", "workers", "route"])
+    r.table(d, "dns.", ["zone", "upstreams", "cache_size", "records", "listener", "workers", "route",
+                          "blocklist"])
     records_raw = d.get("records", {})
     records: list[tuple[str, str]] = []
     if not isinstance(records_raw, dict):
@@ -772,6 +821,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         listeners=tuple(listeners) if "listener" in d else base.dns.listeners,
         workers=r.value(d, "dns.", "workers", _dns_workers, base.dns.workers),
         routes=tuple(_read_routes(r, d, zone)) if "route" in d else base.dns.routes,
+        blocklist=_read_blocklist(r, d, base.dns.blocklist) if "blocklist" in d else base.dns.blocklist,
     )
 
     tun = r.dataclass_fields(_section(r, raw, "tun"), "tun.", base.tun)

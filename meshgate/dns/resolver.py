@@ -1,9 +1,13 @@
 """The resolver pipeline every DNS listener (and the gateway's own lookups) goes through.
 
-    query -> mesh zone (node names, apex SOA/NS) -> static records -> cache -> upstreams
+    query -> mesh zone (node names, apex SOA/NS) -> static records -> blocklist -> cache -> upstreams
 
 The upstreams asked are those of the longest `[[dns.route]]` suffix the name is at or under,
-else `dns.upstreams` (dns/routes.py); routing happens only on a cache miss.
+else `dns.upstreams` (dns/routes.py); routing happens only on a cache miss. The blocklist
+(`[dns.blocklist]`, dns/blocklist.py) is decided before the cache, so a newly blocked name is
+never served from it, and only for names that are not local data; its decision is memoised with
+the local answers, so with no blocklist configured, or for a name decided in the last second,
+a cache hit does no blocklist work.
 
 `lookup()` is synchronous and answers everything that needs no network (the
 hot path: no await per query); `resolve()` goes upstream with coalescing of
@@ -26,12 +30,14 @@ import asyncio
 import ipaddress
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from ipaddress import IPv4Address, IPv6Address
 
 from meshgate.buffers import Buffer, BufferPool
 from meshgate.config import Config
 from meshgate.dns import wire
+from meshgate.dns.blocklist import Blocklist
 from meshgate.dns.cache import AnswerCache
 from meshgate.dns.routes import RouteTable, UpstreamGroup
 from meshgate.dns.stats import ListenerStats
@@ -46,6 +52,7 @@ rlog = RateLimitedLog(log)
 MESH_TTL = 10  # node addresses change when nodes come and go: keep caches short
 RECORD_TTL = 60
 NEGATIVE_TTL = 10  # the zone SOA MINIMUM
+BLOCKED_TTL = 10  # a name unblocked by a list change is asked again soon
 LOCAL_MEMO_SECONDS = 1.0
 LOCAL_MEMO_MAX = 4096
 BUFFER_CAPACITY = 4096  # pooled buffer size; larger answers get a one-off buffer
@@ -62,6 +69,11 @@ _upstream_errors = REGISTRY.counter(
 _upstream_queries = REGISTRY.counter(
     "meshgate_dns_upstream_queries_total", "Queries sent upstream", ("upstream",)
 )
+_blocked = REGISTRY.counter(
+    "meshgate_dns_blocked_total", "Questions answered by [dns.blocklist] instead of being resolved",
+    ("reason",)
+)
+_blocked_list = _blocked.labels("list")
 _overload = REGISTRY.counter(
     "meshgate_dns_inflight_dropped_total", "Queries dropped because dns_max_inflight were in flight"
 )
@@ -113,6 +125,11 @@ class Pipeline:
             ip = ipaddress.ip_address(addr)
             rtype = wire.TYPE_A if ip.version == 4 else wire.TYPE_AAAA
             self._records.setdefault(wire.encode_name(name), []).append((rtype, ip.packed))
+        bl = config.dns.blocklist
+        # None when not configured: the pipeline then does no blocklist work at all
+        self.blocklist = (Blocklist(bl.lists, bl.allow, bl.refresh, time.monotonic())
+                          if bl.enabled else None)
+        self.block_answer = bl.answer
         me = wire.encode_name(f"{config.node.name}.{config.dns.zone}")
         self._soa = wire.soa_rdata(me, wire.encode_name(f"hostmaster.{config.dns.zone}"), 1,
                                    3600, 600, 86400, NEGATIVE_TTL)
@@ -164,6 +181,25 @@ class Pipeline:
                                          authority=[] if mrr else neg)
         return wire.build_answer(q.question, wire.NXDOMAIN, aa=True, authority=neg)
 
+    def _blocked(self, q: Query) -> Answer | None:
+        """The blocklist's answer for `q`, or None when its name is not blocked."""
+        assert self.blocklist is not None
+        if not self.blocklist.blocked(q.name):
+            return None
+        mode = self.block_answer
+        if mode == "refused":
+            a = wire.build_answer(q.question, wire.REFUSED, aa=False, ttl=BLOCKED_TTL)
+        elif mode == "zero":
+            rr: list[tuple[int, int, bytes]] = []
+            if q.qtype == wire.TYPE_A:
+                rr.append((wire.TYPE_A, BLOCKED_TTL, bytes(4)))
+            elif q.qtype == wire.TYPE_AAAA:
+                rr.append((wire.TYPE_AAAA, BLOCKED_TTL, bytes(16)))
+            a = wire.build_answer(q.question, wire.NOERROR, aa=False, answers=rr, ttl=BLOCKED_TTL)
+        else:
+            a = wire.build_answer(q.question, wire.NXDOMAIN, aa=False, ttl=BLOCKED_TTL)
+        return _Blocked(a.wire, a.ttl_offsets, a.ttls, a.ttl, a.rcode, a.stored, aging=False)
+
     def names_changed(self) -> None:
         """Forget memoised local answers (a DNS worker got a new name table: answer it now)."""
         self._memo.clear()
@@ -176,13 +212,19 @@ class Pipeline:
             # about once a second per name, and a flood of random names stays bounded.
             self._memo.clear()
             self._memo_until = now + LOCAL_MEMO_SECONDS
+            if self.blocklist is not None:
+                self.blocklist.refresh(now)  # changed files re-read (every dns.blocklist.refresh s)
         ans = self._memo.get(key)
         if ans is None:
-            ans = self._local(q)
-            # Remember "not ours" too, so cache hits skip the zone/records checks.
+            ans = self._local(q)  # local data wins: the mesh zone and dns.records are never blocked
+            if ans is None and self.blocklist is not None:
+                ans = self._blocked(q)
+            # Remember "not ours" too, so cache hits skip the zone/records/blocklist checks.
             self._memo[key] = ans if ans is not None else _NOT_LOCAL
         if ans is _NOT_LOCAL or ans is None:
             return self.cache.get(key, now)
+        if type(ans) is _Blocked:
+            _blocked_list.inc()
         return ans
 
     # ------------------------------------------------------------------ upstreams
@@ -305,6 +347,12 @@ class Pipeline:
 
 
 _NOT_LOCAL = Answer(b"", (), (), 0, 0)  # memo marker: neither zone nor static record
+
+
+class _Blocked(Answer):
+    """An answer [dns.blocklist] gave (counted each time it is served)."""
+
+    __slots__ = ()
 
 
 def _label_boundary(name: bytes, at: int) -> bool:

@@ -97,6 +97,7 @@ class DnsService:
             "notes": notes,
             "upstreams": [u.url for u in self.pipeline.upstreams],
             "cache_entries": len(self.pipeline.cache),
+            **({"blocklist": bl.status()} if (bl := self.pipeline.blocklist) is not None else {}),
             "listeners": {url: st.snapshot() for url, st in self.stats.items()},
             **({"workers": self.pool.status()} if self.pool is not None else {}),
         }

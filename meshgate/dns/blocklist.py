@@ -1,0 +1,269 @@
+"""Blocklists (`[dns.blocklist]`): which names the pipeline answers itself with a refusal.
+
+Pure: parse list files, build the match table, decide. The pipeline (dns/resolver.py) asks
+`Blocklist.blocked(name)` only for names that are not local data (the mesh zone and
+`dns.records` always answer first) and only when a blocklist is configured; it remembers the
+decision with its local answers (about a second), so a cache hit of a name it decided already
+does no blocklist work. `refresh(now)` re-reads a file whose mtime or size changed; a file that
+cannot be read keeps its last good copy.
+
+Formats, detected per line:
+
+- hosts: `0.0.0.0 ads.example`, `127.0.0.1 a.example b.example` (localhost entries ignored);
+- plain domains: `ads.example`;
+- adblock-style: `||ads.example^` (optionally `$important`), `@@||ok.example^` (an allow rule);
+- comments: lines starting with `#` or `!` (and `[Adblock Plus 2.0]`-style headers); a `#`
+  after a hosts or plain entry starts a comment too.
+
+A domain matches itself and every name under it on label boundaries, case-insensitively. Allow
+rules (from `allow` files, or `@@` lines anywhere) win over block rules. Anything else is a
+malformed line: counted per list and skipped, never an exception.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from meshgate.logs import RateLimitedLog
+from meshgate.metrics import REGISTRY
+
+log = logging.getLogger("meshgate.dns")
+rlog = RateLimitedLog(log, interval=60.0)
+
+BLOCK = "block"
+ALLOW = "allow"
+
+_entries = REGISTRY.gauge("meshgate_dns_blocklist_entries", "Domains loaded from a blocklist or allowlist",
+                          ("list",))
+_malformed = REGISTRY.gauge("meshgate_dns_blocklist_malformed_lines",
+                            "Lines of a blocklist or allowlist that were skipped as malformed", ("list",))
+_failures = REGISTRY.counter("meshgate_dns_blocklist_load_failures_total",
+                             "Times a blocklist or allowlist could not be read (the last good copy stays)",
+                             ("list",))
+
+# hosts-file names that are the host's own, never rules
+_LOCAL_NAMES = frozenset({
+    "localhost", "localhost.localdomain", "local", "broadcasthost", "ip6-localhost", "ip6-loopback",
+    "ip6-localnet", "ip6-mcastprefix", "ip6-allnodes", "ip6-allrouters", "ip6-allhosts", "0.0.0.0",
+})
+_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\Z")
+_ADBLOCK = re.compile(r"(@@)?\|\|([^\^|$]+)\^(?:\$important)?\Z")
+
+
+class Malformed(ValueError):
+    """A line that is neither a comment nor a rule in any of the formats."""
+
+
+def encode(domain: str) -> bytes | None:
+    """`domain` (any case, optional trailing dot) as a lowercased wire-format name; None if it is
+    not a domain name (labels of 1-63 letters, digits, `-`, `_`; 253 characters in all)."""
+    name = domain.lower()
+    if name.endswith("."):
+        name = name[:-1]
+    if not name or len(name) > 253 or not name.isascii():
+        return None
+    out = bytearray()
+    for label in name.split("."):
+        if not _LABEL.match(label):
+            return None
+        out.append(len(label))
+        out += label.encode("ascii")
+    out.append(0)
+    return bytes(out)
+
+
+def parse_line(line: str) -> tuple[str, list[bytes]] | None:
+    """One line -> (BLOCK or ALLOW, wire names), or None for a blank line, a comment, or a hosts
+    line that names only localhost. Raises Malformed for anything else."""
+    s = line.strip()
+    if not s or s[0] in "#!" or (s[0] == "[" and s[-1] == "]"):
+        return None
+    if s.startswith(("||", "@@")):
+        m = _ADBLOCK.match(s)
+        name = encode(m.group(2)) if m else None
+        if m is None or name is None:
+            raise Malformed("not an adblock-style ||domain^ rule")
+        return (ALLOW if m.group(1) else BLOCK), [name]
+    s = s.split("#", 1)[0]
+    tokens = s.split()
+    try:
+        ipaddress.ip_address(tokens[0])
+    except ValueError:
+        if len(tokens) != 1:
+            raise Malformed("neither a hosts line (address first) nor one domain") from None
+        plain = encode(tokens[0])
+        if plain is None:
+            raise Malformed("not a domain name") from None
+        return BLOCK, [plain]
+    if len(tokens) == 1:
+        raise Malformed("a hosts line with an address and no names")
+    names: list[bytes] = []
+    for token in tokens[1:]:
+        if token.lower().rstrip(".") in _LOCAL_NAMES:
+            continue
+        name = encode(token)
+        if name is None:
+            raise Malformed(f"{token!r} is not a domain name")
+        names.append(name)
+    return (BLOCK, names) if names else None
+
+
+@dataclass
+class Parsed:
+    """What one file's text gave: its block and allow names and how many lines were malformed."""
+
+    block: set[bytes] = field(default_factory=set)
+    allow: set[bytes] = field(default_factory=set)
+    malformed: int = 0
+
+
+def parse_text(lines: Iterable[str], *, allowlist: bool = False) -> Parsed:
+    """Every line of a list; in an allowlist (`allowlist`) every rule allows."""
+    out = Parsed()
+    for line in lines:
+        try:
+            got = parse_line(line)
+        except Malformed:
+            out.malformed += 1
+            continue
+        if got is None:
+            continue
+        kind, names = got
+        (out.allow if allowlist or kind == ALLOW else out.block).update(names)
+    return out
+
+
+class ListFile:
+    """One configured file: its last good contents and what reading it cost."""
+
+    def __init__(self, path: str, allowlist: bool) -> None:
+        self.path = path
+        self.allowlist = allowlist
+        self.parsed = Parsed()
+        self.stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the copy in `parsed`
+        self.loaded = False
+        self.failures = 0
+        self.error = ""
+
+    def load(self, *, starting: bool = False) -> bool:
+        """Re-read the file if its mtime or size changed; True when `parsed` changed. A failure
+        keeps the last good copy, is counted and logged (rate-limited per path)."""
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp == self.stamp:
+                return False
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                parsed = parse_text(f, allowlist=self.allowlist)
+        except OSError as e:
+            self.failures += 1
+            self.error = f"{type(e).__name__}: {e.strerror or e}"
+            _failures.labels(self.path).inc()
+            kept = "keeping its last good copy" if self.loaded else "nothing loaded from it"
+            if starting:
+                log.warning("dns.blocklist: cannot read %s (%s); %s", self.path, self.error, kept)
+            else:
+                rlog.warning(f"blocklist {self.path}", "dns.blocklist: cannot read %s (%s); %s",
+                             self.path, self.error, kept)
+            return False
+        self.parsed = parsed
+        self.stamp = stamp
+        self.loaded = True
+        self.error = ""
+        _entries.labels(self.path).set(len(parsed.block) + len(parsed.allow))
+        _malformed.labels(self.path).set(parsed.malformed)
+        if parsed.malformed:
+            rlog.warning(f"blocklist malformed {self.path}", "dns.blocklist: %s: %d malformed lines skipped",
+                         self.path, parsed.malformed)
+        return True
+
+    def status(self) -> dict[str, object]:
+        return {"kind": ALLOW if self.allowlist else BLOCK, "loaded": self.loaded,
+                "entries": len(self.parsed.block) + len(self.parsed.allow),
+                "malformed": self.parsed.malformed, "load_failures": self.failures,
+                **({"error": self.error} if self.error else {})}
+
+
+def _labels(wire_name: bytes) -> int:
+    count = off = 0
+    while off < len(wire_name) and wire_name[off]:
+        count += 1
+        off += wire_name[off] + 1
+    return count
+
+
+class Blocklist:
+    """The match table of every configured list: `blocked(name)` for a lowercased wire name."""
+
+    def __init__(self, lists: Iterable[str], allow: Iterable[str], refresh: float, now: float = 0.0) -> None:
+        self.files = [ListFile(p, False) for p in lists] + [ListFile(p, True) for p in allow]
+        self.interval = refresh
+        self.block: frozenset[bytes] = frozenset()
+        self.allow: frozenset[bytes] = frozenset()
+        self.block_labels = self.allow_labels = 0
+        for f in self.files:
+            f.load(starting=True)
+        self._build()
+        self.next_check = now + refresh
+
+    def _build(self) -> None:
+        block: set[bytes] = set()
+        allow: set[bytes] = set()
+        for f in self.files:
+            block |= f.parsed.block
+            allow |= f.parsed.allow
+        self.block, self.allow = frozenset(block), frozenset(allow)
+        # no rule has more labels than these: longer suffixes of a name need no probe
+        self.block_labels = max((_labels(n) for n in block), default=0)
+        self.allow_labels = max((_labels(n) for n in allow), default=0)
+
+    def refresh(self, now: float) -> bool:
+        """Re-read changed files once `refresh` seconds have passed; True when the table changed."""
+        if now < self.next_check:
+            return False
+        self.next_check = now + self.interval
+        changed = False
+        for f in self.files:
+            changed = f.load() or changed
+        if changed:
+            self._build()
+        return changed
+
+    def blocked(self, name: bytes) -> bool:
+        """Whether a lowercased wire-format name is at or under a block rule and not at or under an
+        allow rule: one set probe per suffix, at most as many as the longest rule has labels."""
+        block = self.block
+        if not block:
+            return False
+        starts: list[int] = []
+        off = 0
+        n = len(name)
+        while off < n and name[off]:
+            starts.append(off)
+            off += name[off] + 1
+        count = len(starts)
+        hit = False
+        for start in starts[max(0, count - self.block_labels):]:
+            if name[start:] in block:
+                hit = True
+                break
+        if not hit:
+            return False
+        allow = self.allow
+        if allow:
+            for start in starts[max(0, count - self.allow_labels):]:
+                if name[start:] in allow:
+                    return False
+        return True
+
+    @property
+    def entries(self) -> int:
+        return len(self.block) + len(self.allow)
+
+    def status(self) -> dict[str, object]:
+        return {"entries": self.entries, "lists": {f.path: f.status() for f in self.files}}
