@@ -73,7 +73,8 @@ class Node:
         limits = cfg.limits
         mesh_on = bool(cfg.mesh.listen or cfg.mesh.peers or cfg.node.ipv4 or cfg.node.ipv6)
         plan: list[Service] = []
-        if cfg.dns.listeners or cfg.dns.upstreams or cfg.dns.records or cfg.dns.routes:
+        dns = cfg.dns
+        if dns.listeners or dns.upstreams or dns.records or dns.routes or dns.blocklist.lists:
             from meshgate.dns.resolver import Pipeline
 
             self.resolver = Pipeline(
