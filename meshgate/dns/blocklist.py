@@ -29,6 +29,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from meshgate.dns import wire
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY
 
@@ -189,13 +190,6 @@ class ListFile:
                 **({"error": self.error} if self.error else {})}
 
 
-def _labels(wire_name: bytes) -> int:
-    count = off = 0
-    while off < len(wire_name) and wire_name[off]:
-        count += 1
-        off += wire_name[off] + 1
-    return count
-
 
 class Blocklist:
     """The match table of every configured list: `blocked(name)` for a lowercased wire name."""
@@ -219,8 +213,8 @@ class Blocklist:
             allow |= f.parsed.allow
         self.block, self.allow = frozenset(block), frozenset(allow)
         # no rule has more labels than these: longer suffixes of a name need no probe
-        self.block_labels = max((_labels(n) for n in block), default=0)
-        self.allow_labels = max((_labels(n) for n in allow), default=0)
+        self.block_labels = max((len(wire.label_starts(n)) for n in block), default=0)
+        self.allow_labels = max((len(wire.label_starts(n)) for n in allow), default=0)
 
     def refresh(self, now: float) -> bool:
         """Re-read changed files once `refresh` seconds have passed; True when the table changed."""
@@ -240,12 +234,7 @@ class Blocklist:
         block = self.block
         if not block:
             return False
-        starts: list[int] = []
-        off = 0
-        n = len(name)
-        while off < n and name[off]:
-            starts.append(off)
-            off += name[off] + 1
+        starts = wire.label_starts(name)
         count = len(starts)
         hit = False
         for start in starts[max(0, count - self.block_labels):]:

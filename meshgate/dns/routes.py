@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+from meshgate.dns import wire
 from meshgate.dns.upstream import Upstream
 
 
@@ -34,19 +35,14 @@ class RouteTable:
         self.default = default
         self.routes: dict[bytes, UpstreamGroup] = dict(routes or {})
         # no route has more labels than this: longer suffixes of a name need no probe
-        self.max_labels = max((_labels(s) for s in self.routes), default=0)
+        self.max_labels = max((len(wire.label_starts(s)) for s in self.routes), default=0)
 
     def group(self, name: bytes) -> UpstreamGroup:
         """The group for a lowercased wire-format name (as wire.parse_query gives it)."""
         routes = self.routes
         if not routes:
             return self.default
-        starts: list[int] = []
-        off = 0
-        n = len(name)
-        while off < n and name[off]:
-            starts.append(off)
-            off += name[off] + 1
+        starts = wire.label_starts(name)
         for start in starts[max(0, len(starts) - self.max_labels):]:  # longest suffix first
             found = routes.get(name[start:])
             if found is not None:
@@ -57,10 +53,3 @@ class RouteTable:
         yield self.default
         yield from self.routes.values()
 
-
-def _labels(wire_name: bytes) -> int:
-    count = off = 0
-    while off < len(wire_name) and wire_name[off]:
-        count += 1
-        off += wire_name[off] + 1
-    return count

@@ -271,6 +271,18 @@ def encode_name(name: str) -> bytes:
     return bytes(out).lower()
 
 
+def label_starts(wire_name: bytes) -> list[int]:
+    """Offsets of each label of an uncompressed wire-format name, so `name[off:]` is each of its
+    suffixes, longest first (split DNS and blocklists look suffixes up with these)."""
+    starts: list[int] = []
+    off = 0
+    n = len(wire_name)
+    while off < n and wire_name[off]:
+        starts.append(off)
+        off += wire_name[off] + 1
+    return starts
+
+
 def decode_name(wire: bytes) -> str:
     """Uncompressed wire name -> text with trailing dot."""
     labels: list[str] = []
