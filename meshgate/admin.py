@@ -1,7 +1,8 @@
 """Admin API: a tiny HTTP/1.1 JSON server on 127.0.0.1 (config `[admin] listen`).
 
-GET /status, /peers, /routes, /metrics. One request per connection keeps it
-simple; the CLI and health checks are the clients.
+GET /status, /peers, /routes, /metrics; POST /reload (re-read the config file, apply what can
+change live: docs/OPERATIONS.md). One request per connection keeps it simple; the CLI and
+health checks are the clients.
 
 Who may ask (`check_request`, pure):
 - The Host header must be an IP literal, `localhost` or one of `admin.hosts`;
@@ -12,6 +13,9 @@ Who may ask (`check_request`, pure):
   `Authorization: Bearer TOKEN` (401 without it). An API listening off
   loopback with a token requires it of every request; with none, start-up
   warns (config.warnings).
+- A request that changes state (`CHANGING`: POST /reload) needs the token whenever one is
+  configured, from loopback too; with no token it is allowed only on an API that listens on
+  loopback (403 off loopback). Any other method on it is 405.
 - At most `limits.admin_max_clients` connections, and at most
   `limits.admin_max_clients_per_source` from one address.
 """
@@ -70,11 +74,16 @@ def host_allowed(host: str | None, names: tuple[str, ...]) -> bool:
     return True
 
 
+CHANGING = frozenset({"/reload"})  # POST only: they change the node's state
+
+
 def check_request(
-    head: bytes, names: tuple[str, ...], token: str, need_token: bool
+    head: bytes, names: tuple[str, ...], token: str, need_token: bool, api_on_loopback: bool = True
 ) -> tuple[int, str]:
     """(status, path) for a request head: 400/405 for bad requests, 403 for a foreign Host,
-    401 without the token where one is needed; else (0, path) to route it."""
+    401 without the token where one is needed; else (0, path) to route it. `need_token` is
+    the read-only rule (off loopback); a CHANGING path needs the token whenever there is one,
+    and with none is 403 unless the API listens on loopback."""
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split()
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -87,12 +96,17 @@ def check_request(
             headers.setdefault(name.strip().lower(), value.strip())
     if not host_allowed(headers.get("host"), names):
         return 403, path
+    changing = path in CHANGING
+    if changing:
+        if not token and not api_on_loopback:
+            return 403, path
+        need_token = need_token or bool(token)
     if need_token:
         given = headers.get("authorization", "")
         want = f"Bearer {token}"
         if not hmac.compare_digest(given.encode("latin-1"), want.encode("latin-1")):
             return 401, path
-    if parts[0] != "GET":
+    if parts[0] != ("POST" if changing else "GET"):
         return 405, path
     return 0, path
 
@@ -109,10 +123,15 @@ class AdminService:
     name = "admin"
 
     def __init__(
-        self, config: Config, node_status: Callable[[], dict[str, Any]], mesh: MeshService | None
+        self,
+        config: Config,
+        node_status: Callable[[], dict[str, Any]],
+        mesh: MeshService | None,
+        reload: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.config = config
         self.node_status = node_status
+        self.reload = reload  # POST /reload: the node's reload, its answer as JSON
         self.mesh = mesh
         self.server: asyncio.Server | None = None
         self._clients = 0
@@ -147,6 +166,8 @@ class AdminService:
         mesh = self.mesh
         if path == "/status":
             return 200, json.dumps(self.node_status()).encode(), "application/json"
+        if path == "/reload" and self.reload is not None:
+            return 200, json.dumps(self.reload()).encode(), "application/json"
         if path == "/metrics":
             return 200, REGISTRY.expose().encode(), "text/plain; version=0.0.4"
         if path == "/peers":
@@ -176,7 +197,8 @@ class AdminService:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _TIMEOUT)
             token = self.config.admin.token
             need = bool(token) and (self._everyone_needs_token or not is_loopback(source))
-            code, path = check_request(head, self.config.admin.hosts, token, need)
+            code, path = check_request(head, self.config.admin.hosts, token, need,
+                                       is_loopback(self.config.admin.listen.host))
             if code == 0:
                 code, body, ctype = self._route(path)
             else:
@@ -198,13 +220,17 @@ class AdminService:
             writer.close()
 
 
-async def fetch(address: str, path: str, timeout: float = 5.0, token: str = "") -> tuple[int, bytes]:
-    """Client side for the CLI: GET `path` from the admin API at `address`."""
+async def fetch(
+    address: str, path: str, timeout: float = 5.0, token: str = "", method: str = "GET"
+) -> tuple[int, bytes]:
+    """Client side for the CLI: GET (or POST, with no body) `path` from the admin API at `address`."""
     hp = parse_host_port(address, 15888)
     reader, writer = await asyncio.wait_for(asyncio.open_connection(hp.host, hp.port), timeout)
     auth = f"Authorization: Bearer {token}\r\n" if token else ""
     try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: {hp}\r\n{auth}Connection: close\r\n\r\n".encode())
+        length = "Content-Length: 0\r\n" if method == "POST" else ""
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: {hp}\r\n{auth}{length}Connection: close\r\n\r\n"
+                     .encode())
         data = await asyncio.wait_for(reader.read(), timeout)
     finally:
         writer.close()

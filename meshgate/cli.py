@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -94,11 +95,15 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return status
 
 
-async def _serve(cfg: config.Config) -> int:
+async def _serve(cfg: config.Config, args: argparse.Namespace | None = None) -> int:
     from meshgate.errors import StartupError
     from meshgate.node import Node
 
-    node = Node(cfg)
+    if args is not None:  # `reload` and SIGHUP re-read this file with the same flags
+        node = Node(cfg, config_path=args.config, overrides=_overrides(args),
+                    adjust=functools.partial(_listener_overrides, args=args))
+    else:
+        node = Node(cfg)
     try:
         await node.start()
     except StartupError as e:
@@ -108,6 +113,7 @@ async def _serve(cfg: config.Config) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, node.reload)  # it logs what it applied, or why not
     _print_banner(node)
     await stop.wait()
     await node.stop()
@@ -144,32 +150,61 @@ def cmd_run(args: argparse.Namespace) -> int:
                     " use node.secret_file or $MESHGATE_SECRET")
     loop = new_loop(args.loop)
     try:
-        return loop.run_until_complete(_serve(cfg))
+        return loop.run_until_complete(_serve(cfg, args))
     finally:
         loop.close()
 
 
-def cmd_admin(args: argparse.Namespace) -> int:
-    from meshgate.admin import fetch
-
-    path = {"status": "/status", "peers": "/peers", "routes": "/routes", "stats": "/metrics"}[
-        args.command
-    ]
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """--token-file's token, else $MESHGATE_ADMIN_TOKEN; None (and a message) if unreadable."""
     token = os.environ.get("MESHGATE_ADMIN_TOKEN", "")
     if args.token_file:
         try:
             token = Path(args.token_file).expanduser().read_text().strip()
         except OSError as e:
             print(f"meshgate: --token-file: cannot read {args.token_file}: {e.strerror}", file=sys.stderr)
-            return EXIT_CONFIG
+            return None
+    return token
+
+
+def _ask_admin(args: argparse.Namespace, path: str, method: str = "GET") -> tuple[int, bytes] | int:
+    """(code, body) from the admin API, or the exit status when it could not be asked."""
+    from meshgate.admin import fetch
+
+    token = _admin_token(args)
+    if token is None:
+        return EXIT_CONFIG
     try:
-        code, body = asyncio.run(fetch(args.admin, path, token=token))
+        code, body = asyncio.run(fetch(args.admin, path, token=token, method=method))
     except (OSError, TimeoutError) as e:
         print(f"meshgate: cannot reach the admin API at {args.admin}: {e}", file=sys.stderr)
         return EXIT_STARTUP
     if code != 200:
         print(f"meshgate: admin API at {args.admin} answered {code} for {path}", file=sys.stderr)
         return EXIT_STARTUP
+    return code, body
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """`meshgate reload`: POST /reload; prints what was applied or why not (0 applied or
+    nothing to change, 1 refused or invalid, 2 the API could not be asked)."""
+    got = _ask_admin(args, "/reload", "POST")
+    if isinstance(got, int):
+        return got
+    answer = json.loads(got[1])
+    refused = bool(answer["problems"] or answer["restart"])
+    print(answer["message"], file=sys.stderr if refused else sys.stdout)
+    return EXIT_CONFIG if refused else EXIT_OK
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    path = {"status": "/status", "peers": "/peers", "routes": "/routes", "stats": "/metrics"}[
+        args.command
+    ]
+    got = _ask_admin(args, path)
+    if isinstance(got, int):
+        return got
+    body = got[1]
     if args.command == "stats" or args.json:
         sys.stdout.write(body.decode())
         return EXIT_OK
@@ -299,6 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
         a.add_argument("--token-file", help="admin token (default: $MESHGATE_ADMIN_TOKEN)")
         a.add_argument("--json", action="store_true")
         a.set_defaults(func=cmd_admin)
+
+    rl = sub.add_parser("reload", help="make a running node re-read its config file (as SIGHUP does)")
+    rl.add_argument("--admin", default="127.0.0.1:15888")
+    rl.add_argument("--token-file", help="admin token (default: $MESHGATE_ADMIN_TOKEN)")
+    rl.set_defaults(func=cmd_reload)
 
     dns = sub.add_parser("dns", help="DNS tools")
     dsub = dns.add_subparsers(dest="dns_command", required=True)

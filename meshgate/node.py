@@ -14,6 +14,9 @@ the node. The seams:
 - one dialer (`dialer`): a MeshDialer on a mesh node, else a local Dialer;
 - the services: mesh, DNS, SOCKS5 portal, HTTP proxy, TUN, admin, started in that order
   and stopped in reverse.
+- `reload()`: re-read the config it was started with (path, CLI overrides, the CLI's
+  listener adjustment: handed in), diff it (reload.py) and hand each live change to the
+  component that owns it through a small setter, or change nothing.
 
 Packages are imported where they are built, not at the top: a portal-only
 node never loads the DNS client stack (aioquic, h2, pyOpenSSL), a node without
@@ -26,19 +29,27 @@ import asyncio
 import ipaddress
 import logging
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from meshgate import __version__
 from meshgate.buffers import BufferPool
-from meshgate.config import Config
+from meshgate.config import Config, ConfigError
+from meshgate.config import load as load_config
 from meshgate.egress.dialer import Dialer, OnDatagram, UdpEgress
 from meshgate.memory import Trimmer
+from meshgate.reload import LIVE, diff
 from meshgate.statedir import StateDirLock
 
 if TYPE_CHECKING:
     from meshgate.dns.resolver import Pipeline
     from meshgate.dns.upstream import Dial
+    from meshgate.egress.mesh_dialer import MeshDialer
+    from meshgate.egress.rules import ExitRules
+    from meshgate.gateway.http_proxy import HttpProxyService
     from meshgate.gateway.mesh_udp import UdpHub
+    from meshgate.gateway.service import Socks5Service
     from meshgate.mesh.service import MeshService
 
 log = logging.getLogger("meshgate.node")
@@ -54,9 +65,50 @@ class Service(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+@dataclass(frozen=True)
+class ReloadResult:
+    """What `Node.reload` did: `applied` keys (all the changed ones) or nothing, with why.
+    Key names and config problems only: never a value, so never a secret."""
+
+    applied: bool
+    changed: tuple[str, ...] = ()
+    restart: tuple[str, ...] = ()  # changed keys that cannot change live
+    problems: tuple[str, ...] = ()  # FILE:KEY: problem, as check-config prints them
+
+    @property
+    def message(self) -> str:
+        if self.problems:
+            return "invalid config, nothing changed:\n" + "\n".join(self.problems)
+        if self.restart:
+            return "nothing changed; restart to change: " + ", ".join(self.restart)
+        if not self.changed:
+            return "no changes"
+        return "applied: " + ", ".join(self.changed)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"applied": self.applied, "changed": list(self.changed), "restart": list(self.restart),
+                "problems": list(self.problems), "message": self.message}
+
+
 class Node:
-    def __init__(self, config: Config) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: str | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        adjust: Callable[[Config], Config] | None = None,
+    ) -> None:
         self.config = config
+        # what `reload` re-reads: the file the node started with, the same CLI overrides and
+        # the same after-load adjustment (cli.py's --doh/--doq/--dns listener moves)
+        self.config_path = config_path
+        self.overrides: Mapping[str, Any] = dict(overrides or {})
+        self.adjust = adjust
+        self.socks5: Socks5Service | None = None
+        self.http_proxy: HttpProxyService | None = None
+        self.exit_rules: ExitRules | None = None
+        self.mesh_dialer: MeshDialer | None = None
         self.started_at = time.time()
         self.services: list[Service] = []
         self.trimmer = Trimmer(config.limits.memory_trim_interval)
@@ -90,12 +142,16 @@ class Node:
         if mesh_on:
             from meshgate.egress.connect import connector
             from meshgate.egress.mesh_dialer import MeshDialer
-            from meshgate.mesh.service import MeshService
 
             # names resolve where traffic leaves: through this node's pipeline, else the host's
-            egress = connector(cfg, Dialer(resolver=self.resolver).resolve)
+            from meshgate.egress.rules import ExitRules
+            from meshgate.mesh.service import MeshService
+
+            self.exit_rules = ExitRules(cfg)  # the node keeps it: a reload sets its [exit]
+            egress = connector(cfg, Dialer(resolver=self.resolver).resolve, rules=self.exit_rules)
             self.mesh = MeshService(cfg, egress=egress)
-            self.dialer = MeshDialer(cfg, self.mesh, egress, self._open_mesh_udp, **dial_kw)
+            self.mesh_dialer = MeshDialer(cfg, self.mesh, egress, self._open_mesh_udp, **dial_kw)
+            self.dialer = self.mesh_dialer
             plan.append(self.mesh)
         else:
             self.dialer = Dialer(**dial_kw)
@@ -106,13 +162,15 @@ class Node:
         if cfg.socks5.enable:
             from meshgate.gateway.service import Socks5Service
 
-            plan.append(Socks5Service(cfg, self.dialer))
+            self.socks5 = Socks5Service(cfg, self.dialer)
+            plan.append(self.socks5)
         if cfg.http_proxy.enable:
             from meshgate.gateway.http_proxy import HttpProxyService
 
             # the same dialer: HTTP destinations route through the mesh as SOCKS5 CONNECT's do
             routes = self.mesh.routes if self.mesh is not None else None
-            plan.append(HttpProxyService(cfg, self.dialer, routes))
+            self.http_proxy = HttpProxyService(cfg, self.dialer, routes)
+            plan.append(self.http_proxy)
         if cfg.tun.enable:
             from meshgate.mesh.tun import TunService
 
@@ -120,7 +178,7 @@ class Node:
         if cfg.admin.enable:
             from meshgate.admin import AdminService
 
-            plan.append(AdminService(cfg, self.status, self.mesh))
+            plan.append(AdminService(cfg, self.status, self.mesh, lambda: self.reload().as_dict()))
         return plan
 
     # --- what the components ask the node for, late-bound because each needs the other
@@ -176,6 +234,57 @@ class Node:
                 log.exception("error while stopping %s", svc.name)
         self.state_lock.release()
         self._stopped.set()
+
+    # --- reload (docs/OPERATIONS.md, "Reloading the config")
+
+    def live_keys(self) -> frozenset[str]:
+        """reload.LIVE, less what this node cannot change live: dns.records where DNS worker
+        processes answer from their own copy, or with no DNS pipeline to hold them; mesh.peers
+        without a mesh running."""
+        live = set(LIVE)
+        if self.resolver is None or self.config.dns.workers > 1:
+            live.discard("dns.records")
+        if self.mesh is None:  # no mesh running to keep them: a restart builds one
+            live.discard("mesh.peers")
+        return frozenset(live)
+
+    def reload(self) -> ReloadResult:
+        """Re-read the config the node started with; apply it when every changed key can change
+        live, else change nothing. Synchronous: no other task runs between check and apply."""
+        try:
+            new = load_config(self.config_path, self.overrides)
+            if self.adjust is not None:
+                new = self.adjust(new)
+        except ConfigError as e:
+            res = ReloadResult(False, problems=tuple(p.render(e.source) for p in e.problems))
+        except ValueError as e:  # an adjustment's own check (cli.py: --doh/--doq/--dns)
+            res = ReloadResult(False, problems=(f"--doh/--doq/--dns: {e}",))
+        else:
+            plan = diff(self.config, new, self.live_keys())
+            res = ReloadResult(plan.ok and bool(plan.changed), plan.changed, plan.restart)
+            if plan.ok and plan.changed:
+                self._apply(new, frozenset(plan.changed))
+        level = logging.INFO if res.applied or not (res.problems or res.restart) else logging.WARNING
+        log.log(level, "reload: %s", res.message.replace("\n", "; "))
+        return res
+
+    def _apply(self, new: Config, changed: frozenset[str]) -> None:
+        if "log_level" in changed:
+            logging.getLogger().setLevel(getattr(logging, new.log_level.upper(), logging.INFO))
+        if "socks5.users" in changed:
+            for portal in (self.socks5, self.http_proxy):
+                if portal is not None:
+                    portal.set_users(new.socks5.users)
+        if "dns.records" in changed:
+            if self.resolver is not None:
+                self.resolver.set_records(new.dns.records)
+            if self.mesh_dialer is not None:
+                self.mesh_dialer.set_records(new.dns.records)
+        if "mesh.peers" in changed and self.mesh is not None:
+            self.mesh.set_peers(new.mesh.peers)
+        if changed & {"exit.allow", "exit.deny", "exit.allow_private"} and self.exit_rules is not None:
+            self.exit_rules.set_exit(new.exit)
+        self.config = new
 
     def status(self) -> dict[str, Any]:
         cfg = self.config.node

@@ -121,10 +121,7 @@ class Pipeline:
         self._memo: dict[tuple[bytes, int, int], Answer] = {}
         self._memo_until = 0.0
         self._records: dict[bytes, list[tuple[int, bytes]]] = {}
-        for name, addr in config.dns.records:
-            ip = ipaddress.ip_address(addr)
-            rtype = wire.TYPE_A if ip.version == 4 else wire.TYPE_AAAA
-            self._records.setdefault(wire.encode_name(name), []).append((rtype, ip.packed))
+        self.set_records(config.dns.records)
         bl = config.dns.blocklist
         # None when not configured: the pipeline then does no blocklist work at all
         self.blocklist = (Blocklist(bl.lists, bl.allow, bl.refresh, time.monotonic())
@@ -202,6 +199,17 @@ class Pipeline:
 
     def names_changed(self) -> None:
         """Forget memoised local answers (a DNS worker got a new name table: answer it now)."""
+        self._memo.clear()
+
+    def set_records(self, records: tuple[tuple[str, str], ...]) -> None:
+        """The static `dns.records` table (also a reload's): built whole, then swapped in, and the
+        local memo dropped so the next question sees it."""
+        table: dict[bytes, list[tuple[int, bytes]]] = {}
+        for name, addr in records:
+            ip = ipaddress.ip_address(addr)
+            rtype = wire.TYPE_A if ip.version == 4 else wire.TYPE_AAAA
+            table.setdefault(wire.encode_name(name), []).append((rtype, ip.packed))
+        self._records = table
         self._memo.clear()
 
     def lookup(self, q: Query, now: float) -> Answer | None:

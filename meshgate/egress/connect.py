@@ -37,9 +37,13 @@ _egress = REGISTRY.counter("meshgate_egress_connects_total", "Egress connections
 Resolve = Callable[[str, int], Awaitable[list[IPAddress]]]
 
 
-def connector(config: Config, resolve: Resolve, timeout: float | None = None) -> EgressConnect:
-    """The policy-checked egress for this node's config."""
-    rules = ExitRules(config)
+def connector(
+    config: Config, resolve: Resolve, timeout: float | None = None, rules: ExitRules | None = None
+) -> EgressConnect:
+    """The policy-checked egress for this node's config (checked against `rules`, made from the
+    config when not given: the node hands its own so a reload can change `[exit]`)."""
+    if rules is None:
+        rules = ExitRules(config)
     connect_timeout = timeout if timeout is not None else config.limits.socks5_connect_timeout
 
     async def connect(host: str, port: int, factory: ProtocolFactory) -> tuple[asyncio.BaseTransport, Any]:

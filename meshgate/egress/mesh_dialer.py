@@ -57,6 +57,10 @@ class MeshDialer(Dialer):
         self._open_udp = open_udp
         self.rules = ExitRules(config)
 
+    def set_records(self, records: tuple[tuple[str, str], ...]) -> None:
+        """Reloaded `dns.records`: names dialed from now on resolve through them."""
+        self.records = {name.rstrip("."): ipaddress.ip_address(a) for name, a in records}
+
     def mesh_name(self, host: str) -> IPAddress | None:
         """Address for a mesh or static name; DialError(0x04) for an unknown name in the zone."""
         name = host.lower().rstrip(".")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from meshgate.config import Config, IPNetwork
+from meshgate.config import Config, ExitConfig, IPNetwork
 from meshgate.policy import EgressPolicy, IPAddress, in_any
 
 
@@ -32,7 +32,12 @@ class ExitRules:
         if mesh.exit_node:
             self.exit_families |= {4, 6}
         self.own_nets = tuple(c.real for c in mesh.proxy_cidrs if c.real.prefixlen > 0)
-        self.policy = EgressPolicy(config.exit, [c for c in mesh.proxy_cidrs if c.real.prefixlen > 0])
+        self._own_cidrs = [c for c in mesh.proxy_cidrs if c.real.prefixlen > 0]
+        self.policy = EgressPolicy(config.exit, self._own_cidrs)
+
+    def set_exit(self, cfg: ExitConfig) -> None:
+        """A reloaded `[exit]`: connections checked from now on use it (one assignment)."""
+        self.policy = EgressPolicy(cfg, self._own_cidrs)
 
     def translate(self, ip: IPAddress) -> IPAddress:
         for mapped, real in self.maps:

@@ -29,7 +29,7 @@ from typing import Any
 
 from meshgate import replies
 from meshgate.buffers import BufferPool
-from meshgate.config import Config, HostPort, IPNetwork
+from meshgate.config import Config, HostPort, IPNetwork, User
 from meshgate.egress.dialer import Dialer, DialError
 from meshgate.gateway import http1
 from meshgate.gateway.server import (
@@ -155,6 +155,10 @@ class HttpProxyServer(Socks5Server):
         self.udp_enabled = False
         self.auth_required = config.http_proxy.auth and bool(self.users)
         self.pac = pac
+
+    def set_users(self, users: tuple[User, ...]) -> None:
+        super().set_users(users)
+        self.auth_required = self.config.http_proxy.auth and bool(self.users)
 
     def make_client(self) -> ClientProtocol:
         return HttpClient(self)

@@ -22,7 +22,7 @@ import logging
 from typing import TYPE_CHECKING, Any, cast
 
 from meshgate.buffers import BufferPool
-from meshgate.config import Config
+from meshgate.config import Config, User
 from meshgate.egress.dialer import DialError
 from meshgate.gateway import socks5
 from meshgate.gateway.udp import UdpAssociation
@@ -113,7 +113,8 @@ class Socks5Server:
         self.limits = config.limits
         self.dialer = dialer
         self.pool = pool
-        self.users = {u.name.encode(): u.password.encode() for u in config.socks5.users}
+        self.users: dict[bytes, bytes] = {}
+        self.set_users(config.socks5.users)
         self.max_clients = config.socks5.max_clients
         self.udp_enabled = config.socks5.udp
         self.clients: set[ClientProtocol] = set()
@@ -125,6 +126,11 @@ class Socks5Server:
         )
         self.server: asyncio.Server | None = None
         self.read_buffer = ReadBuffer()
+
+    def set_users(self, users: tuple[User, ...]) -> None:
+        """The RFC 1929 users (also a reload's): connections accepted from now on check these;
+        those already past their handshake keep going."""
+        self.users = {u.name.encode(): u.password.encode() for u in users}
 
     async def start(self, host: str, port: int) -> asyncio.Server:
         loop = asyncio.get_running_loop()

@@ -3,10 +3,11 @@ the HTTP proxy ("http_proxy") in http_proxy.py; `PortalService` is what both sha
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from meshgate.buffers import BufferPool
-from meshgate.config import Config, HostPort
+from meshgate.config import Config, HostPort, User
 from meshgate.egress.dialer import Dialer
 from meshgate.errors import bind_error
 from meshgate.gateway.server import Socks5Server
@@ -43,6 +44,12 @@ class PortalService:
         except OSError as e:
             self.server = None
             raise bind_error(self.listen_key, addr, e) from None
+
+    def set_users(self, users: tuple[User, ...]) -> None:
+        """Reloaded `socks5.users` for new connections (status reports them too)."""
+        self.config = replace(self.config, socks5=replace(self.config.socks5, users=users))
+        if self.server is not None:
+            self.server.set_users(users)
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -162,6 +162,9 @@ class MeshService:
         self._datagram_handlers: dict[int, DatagramCallback] = {}
         self._listening: list[Listening] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        # mesh.peers: the task keeping each one, and the link it dialed (closed when removed)
+        self._keepers: dict[LinkUrl, asyncio.Task[Any]] = {}
+        self._dialed: dict[LinkUrl, LinkBase] = {}
         self._tick_handle: asyncio.TimerHandle | None = None
         self._sync_scheduled = False
         self._last_build = -1e9
@@ -199,8 +202,7 @@ class MeshService:
                 raise bind_error("mesh.listen", str(url), e) from None
             self._listening.append(listening)
             self.listen_addrs.extend(listening.addresses)
-        for url in self.config.mesh.peers:
-            self._spawn(self._keep_peer(url))
+        self.set_peers(self.config.mesh.peers)
         self._tick_handle = self.loop.call_later(self.ping_interval, self._tick)
 
     async def stop(self) -> None:
@@ -282,16 +284,33 @@ class MeshService:
         while self._running:
             try:
                 link = await self.connect(url)
+                self._dialed[url] = link
                 began = self.loop.time()
                 # back off again unless the link was up for a while: a peer that accepts
                 # and then drops us (limits.max_peers, a flapping path) is not hammered
-                if await link.closed and self.loop.time() - began > 10 * self.ping_interval:
-                    attempt = 0
+                try:
+                    if await link.closed and self.loop.time() - began > 10 * self.ping_interval:
+                        attempt = 0
+                finally:
+                    if self._dialed.get(url) is link:
+                        del self._dialed[url]
             except (OSError, TimeoutError) as e:
                 _rlog.debug(f"connect:{url}", "mesh peer %s: connect failed: %s", url, e)
             delay = min(30.0, 0.25 * (2 ** min(attempt, 8))) * random.uniform(0.75, 1.25)
             attempt += 1
             await asyncio.sleep(delay)
+
+    def set_peers(self, peers: tuple[LinkUrl, ...]) -> None:
+        """Keep these peers (start, or a reload's mesh.peers): a removed one's keeper stops and
+        the link it dialed closes; an added one starts being kept; the others are untouched."""
+        for url in [u for u in self._keepers if u not in peers]:
+            self._keepers.pop(url).cancel()
+            link = self._dialed.pop(url, None)
+            if link is not None:
+                link.close()
+        for url in peers:
+            if url not in self._keepers and self._running:
+                self._keepers[url] = self._spawn(self._keep_peer(url))
 
     def link_failed(self, link: LinkBase, reason: str) -> None:
         self.pending.discard(link)

@@ -1,0 +1,60 @@
+"""Which config keys changed between two configs, and whether they can change live (pure).
+
+`diff(old, new)` walks the dataclass fields (`dataclasses.fields`) and names each changed leaf
+by its dotted key (`socks5.users`, `exit.allow`, `dns.blocklist.lists`); a tuple field (users,
+records, listeners, peers) is one key. Only key names leave this module, never values, so a
+changed secret (`node.secret`, `admin.token`, a user's password) is named but never shown.
+
+`LIVE` is what `Node.reload` can apply without a restart; any other changed key refuses the
+whole reload (docs/OPERATIONS.md, "Reloading the config").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from meshgate.config import Config, HostPort, LinkUrl, ProxyCidr, User
+
+LIVE: frozenset[str] = frozenset({
+    "log_level",
+    "socks5.users",
+    "dns.records",
+    "exit.allow",
+    "exit.deny",
+    "exit.allow_private",
+    "mesh.peers",
+})
+
+
+# dataclasses that are one config value (`socks5.listen`), not a section to walk into
+VALUE_TYPES = (HostPort, LinkUrl, ProxyCidr, User)
+
+
+def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of the leaves that differ, in field order."""
+    out: list[str] = []
+    for f in dataclasses.fields(old):
+        key = f"{prefix}{f.name}"
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if dataclasses.is_dataclass(a) and not isinstance(a, (type, *VALUE_TYPES)) and type(a) is type(b):
+            out += changed_keys(a, b, key + ".")
+        elif a != b:
+            out.append(key)
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    changed: tuple[str, ...]
+    restart: tuple[str, ...]  # changed keys that cannot change live: the reload is refused
+
+    @property
+    def ok(self) -> bool:
+        return not self.restart
+
+
+def diff(old: Config, new: Config, live: frozenset[str] = LIVE) -> Plan:
+    changed = tuple(changed_keys(old, new))
+    return Plan(changed, tuple(k for k in changed if k not in live))
