@@ -1,7 +1,8 @@
 """Admin API: a tiny HTTP/1.1 JSON server on 127.0.0.1 (config `[admin] listen`).
 
-GET /status, /peers, /routes, /metrics; POST /reload (re-read the config file, apply what can
-change live: docs/OPERATIONS.md). One request per connection keeps it simple; the CLI and
+GET /status, /peers, /routes, /metrics, /dns/log?since=N (`[dns.query_log]`'s entries newer
+than N; with the log off `{"enabled": false, "entries": []}`); POST /reload (re-read the config
+file, apply what can change live: docs/OPERATIONS.md). One request per connection keeps it simple; the CLI and
 health checks are the clients.
 
 Who may ask (`check_request`, pure):
@@ -128,10 +129,12 @@ class AdminService:
         node_status: Callable[[], dict[str, Any]],
         mesh: MeshService | None,
         reload: Callable[[], dict[str, Any]] | None = None,
+        dns_log: Callable[[int], dict[str, Any]] | None = None,
     ) -> None:
         self.config = config
         self.node_status = node_status
         self.reload = reload  # POST /reload: the node's reload, its answer as JSON
+        self.dns_log = dns_log  # GET /dns/log?since=N: the node's [dns.query_log] as JSON
         self.mesh = mesh
         self.server: asyncio.Server | None = None
         self._clients = 0
@@ -162,8 +165,15 @@ class AdminService:
     def status(self) -> dict[str, Any]:
         return {"listen": self.address if self.server else None}
 
-    def _route(self, path: str) -> tuple[int, bytes, str]:
+    def _route(self, path: str, query: str = "") -> tuple[int, bytes, str]:
         mesh = self.mesh
+        if path == "/dns/log":
+            since = _since(query)
+            if since is None:
+                return 400, b'{"error": "since: expected a whole number"}', "application/json"
+            got = (self.dns_log(since) if self.dns_log is not None
+                   else {"enabled": False, "size": 0, "last": 0, "entries": []})
+            return 200, json.dumps(got).encode(), "application/json"
         if path == "/status":
             return 200, json.dumps(self.node_status()).encode(), "application/json"
         if path == "/reload" and self.reload is not None:
@@ -200,7 +210,7 @@ class AdminService:
             code, path = check_request(head, self.config.admin.hosts, token, need,
                                        is_loopback(self.config.admin.listen.host))
             if code == 0:
-                code, body, ctype = self._route(path)
+                code, body, ctype = self._route(path, _query_string(head))
             else:
                 body, ctype = json.dumps({"error": _REASONS[code].lower()}).encode(), "application/json"
                 if code in (401, 403):
@@ -218,6 +228,21 @@ class AdminService:
             else:
                 del self._per_source[source]
             writer.close()
+
+
+def _query_string(head: bytes) -> str:
+    """The request target's `?...` part (check_request has vetted the request line)."""
+    target = head.split(b"\r\n", 1)[0].split(b" ")[1].decode("latin-1")
+    return target.partition("?")[2]
+
+
+def _since(query: str) -> int | None:
+    """`since=N` from a query string (0 without it); None when N is not a whole number >= 0."""
+    for part in query.split("&"):
+        name, _, value = part.partition("=")
+        if name == "since":
+            return int(value) if value.isdigit() and len(value) <= 20 else None
+    return 0
 
 
 async def fetch(

@@ -247,6 +247,33 @@ def cmd_dns(args: argparse.Namespace) -> int:
     return client.main(args)
 
 
+def cmd_dns_log(args: argparse.Namespace) -> int:
+    """`meshgate dns log [--follow]`: the node's [dns.query_log], one line per question; with
+    --follow, polls /dns/log?since=<last seq> every second until Ctrl-C."""
+    import time
+
+    from meshgate.dns.querylog import format_line
+
+    since = 0
+    try:
+        while True:
+            got = _ask_admin(args, f"/dns/log?since={since}")
+            if isinstance(got, int):
+                return got
+            answer = json.loads(got[1])
+            if not answer["enabled"]:
+                print("meshgate: the query log is off ([dns.query_log] enable = true)", file=sys.stderr)
+                return EXIT_CONFIG
+            for e in answer["entries"]:
+                print(format_line(e), flush=True)
+            since = max(since, int(answer["last"]))
+            if not args.follow:
+                return EXIT_OK
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from meshgate import demo
 
@@ -353,6 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--cafile")
     q.add_argument("--timeout", type=float, default=5.0)
     q.set_defaults(func=cmd_dns)
+    dl = dsub.add_parser("log", help="show a running node's recent DNS questions ([dns.query_log])")
+    dl.add_argument("--follow", "-f", action="store_true", help="keep polling every second until Ctrl-C")
+    dl.add_argument("--admin", default="127.0.0.1:15888")
+    dl.add_argument("--token-file", help="admin token (default: $MESHGATE_ADMIN_TOKEN)")
+    dl.set_defaults(func=cmd_dns_log)
 
     demo = sub.add_parser("demo", help="start the demo mesh on this machine")
     demo.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")

@@ -204,6 +204,15 @@ BLOCKLIST_ANSWERS = ("nxdomain", "zero", "refused")
 
 
 @dataclass(frozen=True)
+class DnsQueryLogConfig:
+    """[dns.query_log]: a ring of the last `size` answered questions (client, name, type, rcode,
+    how answered, latency) for GET /dns/log and `meshgate dns log`. Off: it records clients."""
+
+    enable: bool = False
+    size: int = 1000
+
+
+@dataclass(frozen=True)
 class DnsConfig:
     zone: str = "mesh.internal."
     upstreams: tuple[str, ...] = ()
@@ -213,6 +222,7 @@ class DnsConfig:
     workers: int = 1  # processes answering udp/tcp/dot/doh listeners (SO_REUSEPORT); "auto" = CPU count
     routes: tuple[DnsRouteConfig, ...] = ()  # split DNS: the longest matching suffix wins
     blocklist: DnsBlocklistConfig = DnsBlocklistConfig()
+    query_log: DnsQueryLogConfig = DnsQueryLogConfig()
 
 
 @dataclass(frozen=True)
@@ -687,6 +697,23 @@ def _read_blocklist(r: _Reader, d: Mapping[str, Any], base: DnsBlocklistConfig) 
     return cfg
 
 
+def _read_query_log(r: _Reader, d: Mapping[str, Any], base: DnsQueryLogConfig) -> DnsQueryLogConfig:
+    q = d["query_log"]
+    if not isinstance(q, dict):
+        r.problem("dns.query_log", "expected a table [dns.query_log]")
+        return base
+    r.table(q, "dns.query_log.", ["enable", "size"])
+    size = r.value(q, "dns.query_log.", "size", _positive_int, base.size)
+    if size > QUERY_LOG_MAX:
+        r.problem("dns.query_log.size", f"{size} is more than {QUERY_LOG_MAX}")
+        size = base.size
+    return DnsQueryLogConfig(enable=r.value(q, "dns.query_log.", "enable", _parse_bool, base.enable),
+                             size=size)
+
+
+QUERY_LOG_MAX = 1_000_000
+
+
 def _read_routes(r: _Reader, d: Mapping[str, Any], zone: str) -> list[DnsRouteConfig]:
     raw_routes = d["route"]
     if not isinstance(raw_routes, list):
@@ -791,7 +818,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
 
     d = _section(r, raw, "dns")
     r.table(d, "dns.", ["zone", "upstreams", "cache_size", "records", "listener", "workers", "route",
-                          "blocklist"])
+                          "blocklist", "query_log"])
     records_raw = d.get("records", {})
     records: list[tuple[str, str]] = []
     if not isinstance(records_raw, dict):
@@ -822,6 +849,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         workers=r.value(d, "dns.", "workers", _dns_workers, base.dns.workers),
         routes=tuple(_read_routes(r, d, zone)) if "route" in d else base.dns.routes,
         blocklist=_read_blocklist(r, d, base.dns.blocklist) if "blocklist" in d else base.dns.blocklist,
+        query_log=_read_query_log(r, d, base.dns.query_log) if "query_log" in d else base.dns.query_log,
     )
 
     tun = r.dataclass_fields(_section(r, raw, "tun"), "tun.", base.tun)

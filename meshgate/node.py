@@ -178,7 +178,8 @@ class Node:
         if cfg.admin.enable:
             from meshgate.admin import AdminService
 
-            plan.append(AdminService(cfg, self.status, self.mesh, lambda: self.reload().as_dict()))
+            plan.append(AdminService(cfg, self.status, self.mesh, lambda: self.reload().as_dict(),
+                                     self._dns_log))
         return plan
 
     # --- what the components ask the node for, late-bound because each needs the other
@@ -186,6 +187,13 @@ class Node:
     def _mesh_names(self) -> dict[str, tuple[Any, Any]]:
         assert self.mesh is not None  # given to the pipeline only on mesh nodes
         return self.mesh.name_table()
+
+    def _dns_log(self, since: int) -> dict[str, Any]:
+        """GET /dns/log?since=N: the pipeline's [dns.query_log] entries newer than N."""
+        from meshgate.dns.querylog import answer
+
+        log = self.resolver.query_log if self.resolver is not None else None
+        return answer(log, self.config.dns.query_log.enable, since)
 
     def _upstream_route(self, host: str) -> Dial | None:
         """A DNS upstream at an address the mesh routes (a resolver on another node's

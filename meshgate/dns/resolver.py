@@ -39,6 +39,7 @@ from meshgate.config import Config
 from meshgate.dns import wire
 from meshgate.dns.blocklist import Blocklist
 from meshgate.dns.cache import AnswerCache
+from meshgate.dns.querylog import QueryLog
 from meshgate.dns.routes import RouteTable, UpstreamGroup
 from meshgate.dns.stats import ListenerStats
 from meshgate.dns.upstream import MeshRoute, Upstream, parse_upstream, resolv_conf_upstreams
@@ -116,7 +117,7 @@ class Pipeline:
         self.routes = RouteTable(UpstreamGroup("dns.upstreams", upstreams), {
             wire.encode_name(suffix): UpstreamGroup(suffix, ups) for suffix, ups in (routes or {}).items()
         })
-        self._pending: dict[tuple[bytes, int, int], asyncio.Task[Answer]] = {}
+        self._pending: dict[tuple[bytes, int, int], asyncio.Task[tuple[Answer, str]]] = {}
         self.inflight = 0
         self._memo: dict[tuple[bytes, int, int], Answer] = {}
         self._memo_until = 0.0
@@ -131,6 +132,9 @@ class Pipeline:
         self._soa = wire.soa_rdata(me, wire.encode_name(f"hostmaster.{config.dns.zone}"), 1,
                                    3600, 600, 86400, NEGATIVE_TTL)
         self._ns = me
+        # [dns.query_log]: None when off, so listeners pay one attribute test per question
+        ql = config.dns.query_log
+        self.query_log = QueryLog(ql.size) if ql.enable else None
 
     # ------------------------------------------------------------------ local data
 
@@ -237,8 +241,20 @@ class Pipeline:
 
     # ------------------------------------------------------------------ upstreams
 
+    def answered_how(self, q: Query) -> str:
+        """How lookup() answered `q` just now: local, blocked or cache (the query log's `via`)."""
+        memo = self._memo.get((q.name, q.qtype, q.qclass))
+        if memo is _NOT_LOCAL or memo is None:
+            return "cache"
+        return "blocked" if type(memo) is _Blocked else "local"
+
     async def resolve(self, q: Query) -> Answer | None:
         """Go upstream. None means dropped: too many queries in flight."""
+        got = await self.resolve_via(q)
+        return None if got is None else got[0]
+
+    async def resolve_via(self, q: Query) -> tuple[Answer, str] | None:
+        """resolve() and which upstream answered (the URL, `route SUFFIX URL` or `failed`)."""
         key = (q.name, q.qtype, q.qclass)
         if self.inflight >= self.max_inflight:
             _overload.inc()
@@ -258,12 +274,12 @@ class Pipeline:
         finally:
             self.inflight -= 1
 
-    async def _fetch(self, q: Query, key: tuple[bytes, int, int]) -> Answer:
+    async def _fetch(self, q: Query, key: tuple[bytes, int, int]) -> tuple[Answer, str]:
         try:
             return await self._ask_upstreams(q)
         except Exception as e:  # never let one query's failure escape to a listener
             rlog.debug("resolve", "dns: resolving %s failed: %r", wire.decode_name(q.name), e)
-            return wire.build_answer(q.question, wire.SERVFAIL, aa=False)
+            return wire.build_answer(q.question, wire.SERVFAIL, aa=False), "failed"
         finally:
             self._pending.pop(key, None)
 
@@ -280,7 +296,7 @@ class Pipeline:
         """Which of dns.upstreams answered last."""
         return self.routes.default.preferred
 
-    async def _ask_upstreams(self, q: Query) -> Answer:
+    async def _ask_upstreams(self, q: Query) -> tuple[Answer, str]:
         key = (q.name, q.qtype, q.qclass)
         loop = asyncio.get_running_loop()
         # The route is a function of q.name alone, which is in the cache key: answers of
@@ -313,8 +329,8 @@ class Pipeline:
                 continue  # another upstream may do better
             group.preferred = idx
             self.cache.put(key, ans)
-            return ans
-        return wire.build_answer(q.question, wire.SERVFAIL, aa=False)
+            return ans, (up.url if group is self.routes.default else f"route {group.name} {up.url}")
+        return wire.build_answer(q.question, wire.SERVFAIL, aa=False), "failed"
 
     # ------------------------------------------------------------------ bootstrap adapter
 
@@ -469,10 +485,16 @@ class Frontend:
         if udp:  # the client's EDNS size, capped to avoid fragmentation (DNS flag day 2020)
             lim = min(q.udp_size, wire.OUR_UDP_SIZE) if q.edns else 512
         pad = pad or q.padding
-        ans = self.pipeline.lookup(q, now)
+        pipeline = self.pipeline
+        ans = pipeline.lookup(q, now)
         if ans is not None:
-            return self._pack(ans, q, now, lim, pad, self.ready)
-        task = asyncio.get_running_loop().create_task(self._later(q, lim, pad))
+            ready = self._pack(ans, q, now, lim, pad, self.ready)
+            if pipeline.query_log is not None:
+                loop_now = asyncio.get_running_loop().time()
+                pipeline.query_log.add(peer, q.name, q.qtype, ans.rcode, pipeline.answered_how(q),
+                                       (loop_now - now) * 1000.0)
+            return ready
+        task = asyncio.get_running_loop().create_task(self._later(q, lim, pad, peer, now))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return Later(task)
@@ -484,13 +506,18 @@ class Frontend:
         self.stats.response(ans.rcode)
         return ready
 
-    async def _later(self, q: Query, limit: int, pad: bool) -> Ready | None:
-        ans = await self.pipeline.resolve(q)
-        if ans is None:
+    async def _later(self, q: Query, limit: int, pad: bool, peer: object, start: float) -> Ready | None:
+        pipeline = self.pipeline
+        got = await pipeline.resolve_via(q)
+        if got is None:
             self.stats.drop("overload")
             return None
+        ans, via = got
         now = asyncio.get_running_loop().time()
-        return self._pack(ans, q, now, limit, pad, Ready.__new__(Ready))
+        ready = self._pack(ans, q, now, limit, pad, Ready.__new__(Ready))
+        if pipeline.query_log is not None:
+            pipeline.query_log.add(peer, q.name, q.qtype, ans.rcode, via, (now - start) * 1000.0)
+        return ready
 
     def close(self) -> None:
         for t in list(self.tasks):
