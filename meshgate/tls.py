@@ -55,18 +55,28 @@ def make_self_signed(common_name: str, sans: list[str], days: int) -> tuple[Any,
                       x509.NameAttribute(NameOID.ORGANIZATION_NAME, "meshgate self-signed")])
     now = datetime.datetime.now(datetime.UTC)
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=days))
+        _builder(name, name, key, now, days)
         .add_extension(x509.SubjectAlternativeName(_general_names(sans)), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
     return cert, key
+
+
+def _builder(subject: Any, issuer: Any, key: Any, now: datetime.datetime, days: int) -> Any:
+    """A certificate builder with what every one here shares: names, key, a random serial, and a
+    validity from five minutes ago (clock skew) for `days`."""
+    from cryptography import x509
+
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+    )
 
 
 def _general_names(sans: Iterable[str]) -> list[Any]:
@@ -159,13 +169,7 @@ def ensure_ca(state_dir: Path, node_name: str = "meshgate", zone: str = DEFAULT_
     permitted += [x509.IPAddress(ipaddress.ip_network(n)) for n in PERMITTED_NETS]
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=CA_VALID_DAYS))
+        _builder(name, name, key, now, CA_VALID_DAYS)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
                                      key_encipherment=False, data_encipherment=False,
@@ -255,15 +259,10 @@ def ensure_listener_cert(state_dir: Path, hosts: Iterable[str] = (), *, node_nam
         key = ec.generate_private_key(ec.SECP256R1())
         _write(key_path, _key_pem(key), 0o600)
     cn = next((s for s in wanted if s != "localhost" and not _is_ip(s)), "localhost")
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn),
+                         x509.NameAttribute(NameOID.ORGANIZATION_NAME, "meshgate")])
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn),
-                                 x509.NameAttribute(NameOID.ORGANIZATION_NAME, "meshgate")]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        _builder(subject, ca_cert.subject, key, now, VALID_DAYS)
         .add_extension(x509.SubjectAlternativeName(_general_names(wanted)), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,

@@ -249,10 +249,12 @@ async def test_pipelined_answers_in_request_order(tmp_path: Path, auth: LocalAut
     try:
         names = ["slow1.example.test"] + [f"nx{i}.example.test" for i in range(1, 12)]
         await asyncio.to_thread(_send, sock, b"".join(_get(n, i) for i, n in enumerate(names)))
-        # The three after slow1 went upstream; the fifth request is not read while four are in flight.
-        await async_wait_until(lambda: all(auth.queries[f"nx{i}.example.test."] for i in (1, 2, 3)),
-                               what="the first four requests in flight")
-        assert auth.queries["slow1.example.test."] == 1
+        # slow1 and the three after it went upstream (their upstream queries race each other, so
+        # wait for all four); the fifth request is not read while four are in flight.
+        await async_wait_until(
+            lambda: all(auth.queries[f"nx{i}.example.test."] for i in (1, 2, 3))
+            and auth.queries["slow1.example.test."] == 1,
+            what="the first four requests in flight")
         assert not any(auth.queries[f"nx{i}.example.test."] for i in range(4, 12))
         auth.release.set()
         reader = Reader(sock)
