@@ -177,3 +177,28 @@ class UdpEcho:
     def close(self) -> None:
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
+
+
+class Metric:
+    """A counter's change since construction (the registry is process-wide)."""
+
+    def __init__(self, name: str, *labels: str) -> None:
+        from meshgate.metrics import REGISTRY
+
+        self.registry = REGISTRY
+        self.name, self.labels = name, labels
+        self.start = REGISTRY.value(name, *labels)
+
+    @property
+    def delta(self) -> float:
+        return self.registry.value(self.name, *self.labels) - self.start
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def both_loops(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
+    """Every test of a module that imports this as `event_loop_policy` runs on both loops:
+    `meshgate run` uses uvloop, whose transports differ from asyncio's in type and callback order."""
+    if request.param == "uvloop":
+        uvloop = require_module("uvloop")
+        return uvloop.EventLoopPolicy()  # type: ignore[no-any-return]
+    return asyncio.DefaultEventLoopPolicy()

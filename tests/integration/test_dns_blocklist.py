@@ -18,6 +18,7 @@ from meshgate.config import Config, from_dict
 from meshgate.dns.service import DnsService
 from meshgate.metrics import REGISTRY
 from meshgate.node import Node
+from tests.helpers import async_wait_until
 from tests.integration.test_dns_split import TagAuthority
 
 UP = "192.0.2.7"
@@ -73,12 +74,6 @@ def blocked_count() -> int:
     return REGISTRY.counter("meshgate_dns_blocked_total", "", ("reason",)).labels("list").value
 
 
-async def eventually(check: Any, what: str, timeout: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await check():
-        assert loop.time() < deadline, f"not within {timeout} s: {what}"
-        await asyncio.sleep(0.05)
 
 
 async def test_blocked_names_answer_nxdomain_allowlisted_and_other_names_resolve(
@@ -144,7 +139,7 @@ async def test_a_cached_name_blocked_later_is_not_served_from_the_cache_and_a_de
         async def news_blocked() -> bool:
             return await ask(port, "news.example") == ("NXDOMAIN", [])
 
-        await eventually(news_blocked, "the changed list blocks news.example")
+        await async_wait_until(news_blocked, 15, "the changed list blocks news.example")
         assert auth.queries["news.example."] == 1
         failures = REGISTRY.counter("meshgate_dns_blocklist_load_failures_total", "",
                                     ("list",)).labels(str(ads))
@@ -156,7 +151,7 @@ async def test_a_cached_name_blocked_later_is_not_served_from_the_cache_and_a_de
             assert await ask(port, "news.example") == ("NXDOMAIN", [])  # the last good copy
             return failures.value > before
 
-        await eventually(failure_counted, "the missing list is counted")
+        await async_wait_until(failure_counted, 15, "the missing list is counted")
         assert await ask(port, "tracker.example") == ("NXDOMAIN", [])
     finally:
         await node.stop()
@@ -197,7 +192,7 @@ async def test_worker_processes_block_the_same_names_themselves(tmp_path: Path, 
             got = worker.merge.queries.get(url, 0)
             return got > 0 and worker.merge.last.get(blocked_key, 0) == got
 
-        await eventually(worker_reported_all, "the worker reports the names it blocked itself")
+        await async_wait_until(worker_reported_all, 15, "the worker reports the names it blocked itself")
         # the rest the main process answered (the kernel gave it some), also without an upstream
         assert worker.merge.queries[url] < 32, "the worker got every query: the main process answered none"
         # the worker's answers for names not blocked still come through the main process

@@ -22,6 +22,7 @@ from meshgate.dns.resolver import Pipeline
 from meshgate.dns.service import DnsService
 from meshgate.metrics import REGISTRY
 from meshgate.node import Node
+from tests.helpers import async_wait_until
 from tests.integration.test_dns_upstream import LocalAuthority, ask
 
 MAIN = "192.0.2.1"
@@ -146,7 +147,8 @@ async def test_a_question_still_tries_every_upstream_when_another_one_moves_the_
     p = Pipeline(split_config(auths, [{"suffix": "corp.example.", "upstreams": [dead.url, corp2.url]}]))
     try:
         first = asyncio.ensure_future(ask(p, "first.corp.example"))
-        await asyncio.sleep(0.2)  # half of dns_timeout
+        # `first` is waiting on the dead upstream (its timeout not yet over): start `second` now
+        await async_wait_until(lambda: dead.queries.get("first.corp.example.") == 1, 5, "first asks dead")
         second = asyncio.ensure_future(ask(p, "second.corp.example"))
         assert address(await first) == CORP2
         assert address(await second) == CORP2
@@ -266,13 +268,9 @@ async def test_worker_processes_answer_routed_names_with_the_routes_fail_over(
         assert auths["main"].asked() == 0
         assert dead.asked() >= 1
         assert svc.pool is not None
-        worker = svc.pool.workers[0].merge.queries.get(url, 0)
-        for _ in range(100):
-            if worker:
-                break
-            await asyncio.sleep(0.05)
-            worker = svc.pool.workers[0].merge.queries.get(url, 0)
-        assert worker > 0  # the worker answered some of them itself
+        merge = svc.pool.workers[0].merge
+        # the worker answered some of them itself (its counts reach the node in batches)
+        await async_wait_until(lambda: merge.queries.get(url, 0) > 0, 5, "the worker's share counted")
     finally:
         await node.stop()
 

@@ -27,34 +27,17 @@ from meshgate.config import (
 )
 from meshgate.gateway import http_proxy
 from meshgate.gateway.http_proxy import HttpProxyService
-from meshgate.metrics import REGISTRY
 from meshgate.node import Node
-from tests.helpers import async_wait_until, require_module, require_tool
+from tests.helpers import Metric, async_wait_until, both_loops, require_tool
 
 # pytest-asyncio 1.x prefers a conftest hook for loop factories; a module-local
 # policy fixture keeps this choice inside this file (as in test_socks5_server.py).
 pytestmark = pytest.mark.filterwarnings("ignore:Overriding the \"event_loop_policy\" fixture")
 
 
-@pytest.fixture(params=["asyncio", "uvloop"])
-def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
-    """Both loops: `meshgate run` uses uvloop, whose transports differ from asyncio's."""
-    if request.param == "uvloop":
-        uvloop = require_module("uvloop")
-        return uvloop.EventLoopPolicy()  # type: ignore[no-any-return]
-    return asyncio.DefaultEventLoopPolicy()
+event_loop_policy = both_loops  # every test here on both loops
 
 
-class Metric:
-    """A counter's change since construction (the registry is process-wide)."""
-
-    def __init__(self, name: str, *labels: str) -> None:
-        self.name, self.labels = name, labels
-        self.start = REGISTRY.value(name, *labels)
-
-    @property
-    def delta(self) -> float:
-        return REGISTRY.value(self.name, *self.labels) - self.start
 
 
 class Origin:

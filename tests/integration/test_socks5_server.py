@@ -23,7 +23,15 @@ from meshgate.gateway.server import ClientProtocol
 from meshgate.gateway.service import Socks5Service
 from meshgate.metrics import REGISTRY
 from meshgate.node import Node
-from tests.helpers import UdpEcho, async_wait_until, can_bind, open_fds, require, require_module
+from tests.helpers import (
+    Metric,
+    UdpEcho,
+    async_wait_until,
+    both_loops,
+    can_bind,
+    open_fds,
+    require,
+)
 
 # pytest-asyncio 1.x prefers a conftest hook for loop factories; a module-local
 # policy fixture keeps this choice inside this file.
@@ -32,14 +40,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Overriding the \"event_loop_poli
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(params=["asyncio", "uvloop"])
-def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
-    """Every test runs on both loops: `meshgate run` uses uvloop, whose transports
-    differ from asyncio's in type and in callback order."""
-    if request.param == "uvloop":
-        uvloop = require_module("uvloop")
-        return uvloop.EventLoopPolicy()  # type: ignore[no-any-return]
-    return asyncio.DefaultEventLoopPolicy()
+event_loop_policy = both_loops  # every test here on both loops
 
 
 class Portal:
@@ -87,16 +88,6 @@ async def portal(
         await node.stop()
 
 
-class Metric:
-    """Reads a counter's change since construction (the registry is process-wide)."""
-
-    def __init__(self, name: str, *labels: str) -> None:
-        self.name, self.labels = name, labels
-        self.start = REGISTRY.value(name, *labels)
-
-    @property
-    def delta(self) -> float:
-        return REGISTRY.value(self.name, *self.labels) - self.start
 
 
 @contextlib.asynccontextmanager

@@ -2,7 +2,7 @@
 bench and docs read or cite lives inside the repository.
 
 The tree is copied (the files git tracks, plus new unignored ones) into an
-otherwise empty directory, so a `../shared` or any other sibling the
+otherwise empty directory, so any sibling directory the
 checkout happens to have here is out of reach, and the suite is collected
 and the tests that read data files are run from that copy.
 """
@@ -22,10 +22,13 @@ from tests.helpers import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Paths that lead out of the repository: the sibling directories an earlier
-# layout read (`../shared`, its notes and peers) and the design pages that
-# lived there, not here.
-_OUTSIDE = re.compile(r"\.\./shared|\bshared/(vectors|notes|peers)\b|\bDESIGN\.md\b|\bINTERFACE\.md\b")
+# Paths that lead out of the repository: the sibling directory an earlier layout read
+# (its vectors, notes and peers) and the design pages that lived there, not here.
+# Spelled in pieces so this file does not name them itself.
+_SIBLING = "sha" + "red"
+_OUTSIDE = re.compile(
+    rf"\.\./{_SIBLING}|\b{_SIBLING}/(vectors|notes|peers)\b|\b(DESIGN|INTERFACE)\.md\b"
+)
 
 
 def _repo_files() -> list[str]:
@@ -40,8 +43,6 @@ def _repo_files() -> list[str]:
 def test_no_file_points_outside_the_repository() -> None:
     offenders = []
     for rel in _repo_files():
-        if rel == "tests/system/test_clone.py":
-            continue  # the pattern itself
         try:
             text = (ROOT / rel).read_text(encoding="utf-8")
         except UnicodeDecodeError:
