@@ -1,9 +1,12 @@
 """Admin API: a tiny HTTP/1.1 JSON server on 127.0.0.1 (config `[admin] listen`).
 
 GET /status, /peers, /routes, /metrics, /dns/log?since=N (`[dns.query_log]`'s entries newer
-than N; with the log off `{"enabled": false, "entries": []}`); POST /reload (re-read the config
-file, apply what can change live: docs/OPERATIONS.md). One request per connection keeps it simple; the CLI and
-health checks are the clients.
+than N; with the log off `{"enabled": false, "entries": []}`), /config (the effective config,
+secrets masked: redact.py), /console/stats (console/stats.py); POST /reload (re-read the config
+file, apply what can change live: docs/OPERATIONS.md). GET / is the web console (console/: one
+page, its script and style sheet). One request per connection keeps it simple; the CLI, health
+checks and the console are the clients. Every answer carries console.SECURITY_HEADERS (CSP
+'self', nosniff, no-store).
 
 Who may ask (`check_request`, pure):
 - The Host header must be an IP literal, `localhost` or one of `admin.hosts`;
@@ -12,8 +15,9 @@ Who may ask (`check_request`, pure):
   carry that name as Host.
 - With `admin.token` set, a request off loopback needs
   `Authorization: Bearer TOKEN` (401 without it). An API listening off
-  loopback with a token requires it of every request; with none, start-up
-  warns (config.warnings).
+  loopback with a token requires it of every request but the console's
+  static files (`PUBLIC`: they hold no data; the page then asks for the token);
+  with none, start-up warns (config.warnings).
 - A request that changes state (`CHANGING`: POST /reload) needs the token whenever one is
   configured, from loopback too; with no token it is allowed only on an API that listens on
   loopback (403 off loopback). Any other method on it is 405.
@@ -31,6 +35,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from meshgate import console
 from meshgate.config import Config, parse_host_port
 from meshgate.errors import bind_error
 from meshgate.metrics import REGISTRY
@@ -76,6 +81,7 @@ def host_allowed(host: str | None, names: tuple[str, ...]) -> bool:
 
 
 CHANGING = frozenset({"/reload"})  # POST only: they change the node's state
+PUBLIC = frozenset(console.ASSETS)  # GET without the token (the Host check still applies)
 
 
 def check_request(
@@ -102,7 +108,7 @@ def check_request(
         if not token and not api_on_loopback:
             return 403, path
         need_token = need_token or bool(token)
-    if need_token:
+    if need_token and path not in PUBLIC:
         given = headers.get("authorization", "")
         want = f"Bearer {token}"
         if not hmac.compare_digest(given.encode("latin-1"), want.encode("latin-1")):
@@ -112,10 +118,13 @@ def check_request(
     return 0, path
 
 
+_SECURITY = "".join(f"{name}: {value}\r\n" for name, value in console.SECURITY_HEADERS)
+
+
 def _response(code: int, reason: str, body: bytes, ctype: str) -> bytes:
     head = (
         f"HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        f"Content-Length: {len(body)}\r\n{_SECURITY}Connection: close\r\n\r\n"
     )
     return head.encode() + body
 
@@ -130,8 +139,11 @@ class AdminService:
         mesh: MeshService | None,
         reload: Callable[[], dict[str, Any]] | None = None,
         dns_log: Callable[[int], dict[str, Any]] | None = None,
+        current_config: Callable[[], Config] | None = None,
     ) -> None:
         self.config = config
+        # GET /config: the node's config now (a reload replaces it), else the one started with
+        self.current_config = current_config or (lambda: config)
         self.node_status = node_status
         self.reload = reload  # POST /reload: the node's reload, its answer as JSON
         self.dns_log = dns_log  # GET /dns/log?since=N: the node's [dns.query_log] as JSON
@@ -167,6 +179,20 @@ class AdminService:
 
     def _route(self, path: str, query: str = "") -> tuple[int, bytes, str]:
         mesh = self.mesh
+        page = console.asset(path)
+        if page is not None:
+            return 200, page[0], page[1]
+        if path == "/config":
+            from meshgate.redact import masked_config
+
+            return 200, json.dumps(masked_config(self.current_config())).encode(), "application/json"
+        if path == "/console/stats":
+            from meshgate.console.stats import console_stats
+
+            dns = self.node_status().get("services", {}).get("dns")
+            upstreams = list(dns.get("upstreams", [])) if isinstance(dns, dict) else None
+            got = console_stats(mesh, upstreams, bool(self.config.admin.token))
+            return 200, json.dumps(got).encode(), "application/json"
         if path == "/dns/log":
             since = _since(query)
             if since is None:

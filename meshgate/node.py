@@ -179,7 +179,7 @@ class Node:
             from meshgate.admin import AdminService
 
             plan.append(AdminService(cfg, self.status, self.mesh, lambda: self.reload().as_dict(),
-                                     self._dns_log))
+                                     self._dns_log, lambda: self.config))
         return plan
 
     # --- what the components ask the node for, late-bound because each needs the other
