@@ -80,11 +80,12 @@ function chart(node, series, opts) {
   let max = 0;
   for (const s of series) for (const v of s) if (v !== null && v > max) max = v;
   if (max <= 0) max = 1;
+  const span = Math.max(n, 30); // the x axis: at least a minute, at most the 5 kept
   series.forEach((s, i) => {
     const pts = [];
     s.forEach((v, j) => {
       if (v === null) return;
-      const x = n === 1 ? w - 1 : (j + (KEEP - n)) * (w - 2) / (KEEP - 1) + 1;
+      const x = n === 1 ? w - 1 : (j + (span - n)) * (w - 2) / (span - 1) + 1;
       const y = h - 2 - (v / max) * (h - 12);
       pts.push(x.toFixed(1) + "," + y.toFixed(1));
     });
@@ -109,7 +110,32 @@ function last(arr) {
   return arr.length ? arr[arr.length - 1] : null;
 }
 
-// --- the mesh graph: this node in the middle, the others on rings by hop count
+// --- the mesh graph: columns by hop count from this node (left), each node near its neighbours
+// one column to the left, so the links mostly run left to right
+
+function layout(mesh, W, H) {
+  const cols = {};
+  for (const n of mesh.nodes) (cols[n.hops] = cols[n.hops] || []).push(n);
+  const hops = Object.keys(cols).map(Number).sort((a, b) => a - b);
+  const maxHops = Math.max(1, ...hops);
+  const adj = {};
+  for (const l of mesh.links) {
+    (adj[l.a] = adj[l.a] || []).push(l.b);
+    (adj[l.b] = adj[l.b] || []).push(l.a);
+  }
+  const pos = {};
+  for (const h of hops) {
+    const col = cols[h];
+    const parentY = (n) => {
+      const ys = (adj[n.id] || []).map((id) => pos[id]).filter(Boolean).map((p) => p[1]);
+      return ys.length ? ys.reduce((a, b) => a + b, 0) / ys.length : H / 2;
+    };
+    col.sort((a, b) => parentY(a) - parentY(b) || (a.name < b.name ? -1 : 1));
+    const x = 90 + (h / maxHops) * (W - 180);
+    col.forEach((n, i) => { pos[n.id] = [x, (H * (i + 0.5)) / col.length]; });
+  }
+  return pos;
+}
 
 function drawGraph(mesh) {
   const g = $("graph");
@@ -119,20 +145,14 @@ function drawGraph(mesh) {
     $("mesh-summary").textContent = "";
     return;
   }
-  const W = 800, H = 420, cx = W / 2, cy = H / 2;
-  const byHops = {};
-  for (const n of mesh.nodes) (byHops[n.hops] = byHops[n.hops] || []).push(n);
-  const pos = {};
-  const rings = Object.keys(byHops).map(Number).sort((a, b) => a - b);
-  const maxRing = Math.max(1, ...rings);
-  for (const hops of rings) {
-    const ring = byHops[hops];
-    const r = hops === 0 ? 0 : (hops / maxRing) * 170;
-    ring.forEach((n, i) => {
-      const a = -Math.PI / 2 + (2 * Math.PI * i) / ring.length + (hops % 2 ? 0 : Math.PI / ring.length);
-      pos[n.id] = hops === 0 && ring.length === 1 ? [cx, cy] : [cx + 1.9 * r * Math.cos(a), cy + r * Math.sin(a)];
-    });
-  }
+  const W = 800;
+  const tallest = Math.max(1, ...Object.values(mesh.nodes.reduce((c, n) => {
+    c[n.hops] = (c[n.hops] || 0) + 1;
+    return c;
+  }, {})));
+  const H = Math.max(160, Math.min(900, tallest * 95));
+  g.setAttribute("viewBox", "0 0 " + W + " " + H);
+  const pos = layout(mesh, W, H);
   const names = {};
   for (const n of mesh.nodes) names[n.id] = n.name || n.id;
   for (const l of mesh.links) {
