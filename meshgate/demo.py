@@ -217,6 +217,7 @@ meshgate demo is up ({self.mode} mode): portal -> relay -> exit -> web
     curl --proxy socks5h://127.0.0.1:{pt.socks5} {self.url("10.2.2.10")}
     kdig +https @127.0.0.1 -p {pt.doh} exit.mesh.internal A
 
+  Console:  http://127.0.0.1:{pt.admin}/   (the portal's mesh, peers, routes, DNS, config)
   Inspect:  meshgate routes --admin 127.0.0.1:{pt.admin}     logs: {self.log_dir}
   Stop:     Ctrl-C (removes everything the demo created)
 """

@@ -69,6 +69,7 @@ def test_banner_tells_how_to_use_it(demo: dict[str, object]) -> None:
     assert f"https://127.0.0.1:{ports['doh']}/dns-query" in text
     assert f"curl --proxy socks5h://127.0.0.1:{ports['socks5']} http://10.2.2.10/" in text
     assert "kdig +https" in text
+    assert f"Console:  http://127.0.0.1:{ports['admin']}/" in text
 
 
 @pytest.mark.parametrize("url", ["http://10.2.2.10/", "http://web.mesh.internal/"])
