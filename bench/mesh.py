@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import functools
 import gc
+import ipaddress
 import os
 import random
 import socket
@@ -73,7 +74,6 @@ from tests.mesh_testing import Collector, converged, mesh_node, node_config, rin
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 GIB = 1 << 30
-IDS = {"a": 0xA0000001, "b": 0xB0000002, "c": 0xC0000003}
 
 
 def new_loop() -> asyncio.AbstractEventLoop:
@@ -152,7 +152,6 @@ class Children:
     def _node(self, name: str, ip: str, port: int, peers: list[int]) -> subprocess.Popen[bytes]:
         state = Path(self.tmp.name) / name
         state.mkdir()
-        (state / "mesh-node-id").write_text(f"{IDS[name]:08x}\n")
         s = self.scheme
         peer_list = ", ".join(f'"{s}://127.0.0.1:{p}"' for p in peers)
         cfg = Path(self.tmp.name) / f"{name}.toml"
@@ -220,16 +219,24 @@ def stream_mesh(ch: Children, size: int, hops: int) -> Metrics:
     async def go() -> float:
         cfg = node_config("a", "10.99.0.1/24", peers=[f"{ch.scheme}://127.0.0.1:{peer}"], network="bench",
                           secret="bench secret")
-        a = mesh_node(cfg, IDS["a"])
+        a = mesh_node(cfg)
         await a.start()
+        c_ip = ipaddress.ip_address("10.99.0.3")
+
+        def c_id() -> int | None:
+            """c's node id (found by its virtual IP) once a has a `hops`-hop route to it."""
+            r = a.lookup(c_ip)
+            p = a.table.hop_paths.get(r.node_id) if r is not None else None
+            return r.node_id if r is not None and p is not None and p.hops == hops else None
+
         try:
             deadline = time.monotonic() + 20
-            while IDS["c"] not in a.table.hop_paths or a.table.hop_paths[IDS["c"]].hops != hops:
+            while (c := c_id()) is None:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no {hops}-hop route to c")
                 await asyncio.sleep(0.02)
             # c's own virtual IP: its egress policy maps that to its loopback
-            transport, proto = await a.open_stream(IDS["c"], "10.99.0.3", ch.sink_port, Collector)
+            transport, proto = await a.open_stream(c, "10.99.0.3", ch.sink_port, Collector)
             assert isinstance(proto, Collector)
             return await _upload(transport, proto, size)
         finally:
@@ -260,13 +267,13 @@ def stream_ring(size: int, hops: int) -> Metrics:
         for i in range(hops + 1):
             cfg = node_config(f"n{i}", listen=[f"ring://{rings[i]}"] if i < hops else [],
                               peers=[f"ring://{rings[i - 1]}"] if i else [])
-            n = mesh_node(cfg, i + 1)
+            n = mesh_node(cfg)
             await n.start()
             nodes.append(n)
         try:
             while not converged(nodes):
                 await asyncio.sleep(0.01)
-            transport, proto = await nodes[0].open_stream(hops + 1, "127.0.0.1", port, Collector)
+            transport, proto = await nodes[0].open_stream(nodes[-1].node_id, "127.0.0.1", port, Collector)
             assert isinstance(proto, Collector)
             return await _upload(transport, proto, size)
         finally:
@@ -291,13 +298,13 @@ async def _datagram_mesh(kind: str, hops: int) -> tuple[list[MeshService], int]:
         else:
             listen = [f"{kind}://127.0.0.1:0"]
         cfg = node_config(f"n{i}", listen=listen, peers=[prev] if prev else [])
-        n = mesh_node(cfg, i + 1)
+        n = mesh_node(cfg)
         await n.start()
         prev = n.listen_addrs[0]
         nodes.append(n)
     while not converged(nodes):
         await asyncio.sleep(0.01)
-    return nodes, hops + 1
+    return nodes, nodes[-1].node_id
 
 
 async def _blast(nodes: list[MeshService], dst: int, seconds: float, burst: int = 64) -> tuple[int, int]:
@@ -435,7 +442,7 @@ def convergence_time(n: int) -> Metrics:
         for i in range(n):
             peers = [f"ring://{names[j]}" for j, _ in adj[i] if j < i]
             cfg = node_config(f"n{i}", listen=[f"ring://{names[i]}"], peers=peers)
-            svc = mesh_node(cfg, i + 1)
+            svc = mesh_node(cfg)
             await svc.start()
             nodes.append(svc)
         started = time.perf_counter()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, cast
@@ -44,16 +45,35 @@ def node_config(
     return from_dict(raw)
 
 
-def mesh_node(cfg: Config, node_id: int) -> MeshService:
-    """A MeshService whose streams leave from this host (its own virtual IPs mean loopback)."""
+def _fresh_id() -> int:
+    """A random non-zero 32-bit node id for a test node.
+
+    Interim: this goes away when node ids come from the node's public key
+    (then MeshService derives the id itself and this is the one place to change).
+    """
+    return secrets.randbits(32) or 1
+
+
+def mesh_node(cfg: Config) -> MeshService:
+    """A MeshService whose streams leave from this host (its own virtual IPs mean loopback).
+
+    Its id is not chosen by the test: refer to it as `svc.node_id`."""
     own = {str(i.ip) for i in (cfg.node.ipv4, cfg.node.ipv6) if i is not None}
-    return MeshService(cfg, node_id=node_id, egress=local_connect(own, cfg.limits.socks5_connect_timeout))
+    return MeshService(cfg, node_id=_fresh_id(), egress=local_connect(own, cfg.limits.socks5_connect_timeout))
 
 
-async def start_node(cfg: Config, node_id: int) -> MeshService:
-    svc = mesh_node(cfg, node_id)
+async def start_node(cfg: Config) -> MeshService:
+    svc = mesh_node(cfg)
     await svc.start()
     return svc
+
+
+def unused_id(nodes: Iterable[MeshService]) -> int:
+    """A non-zero 32-bit node id that none of `nodes` has (for "unknown node" tests)."""
+    taken = {n.node_id for n in nodes}
+    while (x := secrets.randbits(32)) == 0 or x in taken:
+        pass
+    return x
 
 
 def fast_limits(**extra: Any) -> LimitsConfig:

@@ -21,14 +21,14 @@ def _block(i: int, base: bytes) -> bytes:
 
 async def test_one_gib_through_two_relays_with_a_stalled_neighbour() -> None:
     rings = [ring_name() for _ in range(3)]
-    a = await start_node(node_config("a", listen=[f"ring://{rings[0]}"], limits=LIMITS), 1)
+    a = await start_node(node_config("a", listen=[f"ring://{rings[0]}"], limits=LIMITS))
     r1 = await start_node(
-        node_config("r1", peers=[f"ring://{rings[0]}"], listen=[f"ring://{rings[1]}"], limits=LIMITS), 2
+        node_config("r1", peers=[f"ring://{rings[0]}"], listen=[f"ring://{rings[1]}"], limits=LIMITS),
     )
     r2 = await start_node(
-        node_config("r2", peers=[f"ring://{rings[1]}"], listen=[f"ring://{rings[2]}"], limits=LIMITS), 3
+        node_config("r2", peers=[f"ring://{rings[1]}"], listen=[f"ring://{rings[2]}"], limits=LIMITS),
     )
-    d = await start_node(node_config("d", peers=[f"ring://{rings[2]}"], limits=LIMITS), 4)
+    d = await start_node(node_config("d", peers=[f"ring://{rings[2]}"], limits=LIMITS))
     nodes = [a, r1, r2, d]
 
     async def hasher(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -59,13 +59,13 @@ async def test_one_gib_through_two_relays_with_a_stalled_neighbour() -> None:
 
     try:
         await async_wait_until(lambda: converged(nodes), 10, "routes")
-        assert a.table.hop_paths[4].hops == 3
+        assert a.table.hop_paths[d.node_id].hops == 3
         stalled_t, stalled = await a.open_stream(
-            4, "127.0.0.1", fire_srv.sockets[0].getsockname()[1], lambda: Collector(pause=True)
+            d.node_id, "127.0.0.1", fire_srv.sockets[0].getsockname()[1], lambda: Collector(pause=True)
         )
         sampler = asyncio.create_task(sample())
         transport, proto = await a.open_stream(
-            4, "127.0.0.1", hash_srv.sockets[0].getsockname()[1], Collector
+            d.node_id, "127.0.0.1", hash_srv.sockets[0].getsockname()[1], Collector
         )
         assert isinstance(proto, Collector) and isinstance(stalled, Collector)
         base = os.urandom(BLOCK)

@@ -11,7 +11,6 @@ from meshgate.mesh.streams import MeshStream
 from tests.helpers import async_wait_until
 from tests.mesh_testing import Collector, converged, node_config, ring_name, start_node, stop_all
 
-A, B, C = 0xA, 0xB, 0xC
 WINDOW = 65536
 
 
@@ -19,14 +18,14 @@ WINDOW = 65536
 async def test_stalled_reader_bounds_relay_memory(kind: str) -> None:
     limits = {"stream_window": WINDOW}
     if kind == "tcp":
-        b = await start_node(node_config("b", listen=["tcp://127.0.0.1:0"], limits=limits), B)
+        b = await start_node(node_config("b", listen=["tcp://127.0.0.1:0"], limits=limits))
         peer_a = peer_c = b.listen_addrs[0]
     else:
         r1, r2 = ring_name(), ring_name()
-        b = await start_node(node_config("b", listen=[f"ring://{r1}", f"ring://{r2}"], limits=limits), B)
+        b = await start_node(node_config("b", listen=[f"ring://{r1}", f"ring://{r2}"], limits=limits))
         peer_a, peer_c = f"ring://{r1}", f"ring://{r2}"
-    a = await start_node(node_config("a", peers=[peer_a], limits=limits), A)
-    c = await start_node(node_config("c", peers=[peer_c], limits=limits), C)
+    a = await start_node(node_config("a", peers=[peer_a], limits=limits))
+    c = await start_node(node_config("c", peers=[peer_c], limits=limits))
     nodes = [a, b, c]
     total = 48 * 1024 * 1024
     block = hashlib.sha256(b"x").digest() * 2048  # 64 KiB
@@ -44,7 +43,7 @@ async def test_stalled_reader_bounds_relay_memory(kind: str) -> None:
     port = srv.sockets[0].getsockname()[1]
     try:
         await async_wait_until(lambda: converged(nodes), 10, "routes")
-        transport, proto = await a.open_stream(C, "127.0.0.1", port, lambda: Collector(pause=True))
+        transport, proto = await a.open_stream(c.node_id, "127.0.0.1", port, lambda: Collector(pause=True))
         assert isinstance(transport, MeshStream) and isinstance(proto, Collector)
 
         def c_stream() -> MeshStream | None:

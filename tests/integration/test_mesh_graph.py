@@ -54,9 +54,7 @@ async def test_random_50_node_mesh_matches_bfs_and_dijkstra() -> None:
     try:
         for i in range(N):
             peers = [f"ring://{names[x]}" for x, y in edges if y == i]
-            nodes.append(
-                await start_node(node_config(f"g{i}", listen=[f"ring://{names[i]}"], peers=peers), i + 1)
-            )
+            nodes.append(await start_node(node_config(f"g{i}", listen=[f"ring://{names[i]}"], peers=peers)))
         ids = {n.node_id for n in nodes}
         await async_wait_until(lambda: all(set(n.table.hop_paths) == ids for n in nodes), 30, "convergence")
 
@@ -67,10 +65,11 @@ async def test_random_50_node_mesh_matches_bfs_and_dijkstra() -> None:
         await async_wait_until(in_sync, 30, "records in sync")
         for n in nodes:
             n.table.build()  # a build may be held back by the throttle; the check is on the same records
-        adj = {i + 1: set() for i in range(N)}
+        nid = [n.node_id for n in nodes]  # graph vertex i is nodes[i], whatever its id
+        adj: dict[int, set[int]] = {v: set() for v in nid}
         for x, y in edges:
-            adj[x + 1].add(y + 1)
-            adj[y + 1].add(x + 1)
+            adj[nid[x]].add(nid[y])
+            adj[nid[y]].add(nid[x])
         for n in nodes:
             me = n.node_id
             assert {nid for nid, _ in n.table.local.neighbours} == adj[me]

@@ -18,7 +18,6 @@ from meshgate.mesh.service import MeshService, latency_moved, rtt_clock_us
 from tests.helpers import async_wait_until
 from tests.mesh_testing import converged, node_config, ring_name, start_node, stop_all
 
-A, B, C = 0xA, 0xB, 0xC
 # faster pings than the default 1 s so the smoothed values settle within seconds
 LIMITS = {"mesh_ping_interval": 0.2, "mesh_dead_after": 2.0}
 
@@ -26,42 +25,42 @@ LIMITS = {"mesh_ping_interval": 0.2, "mesh_dead_after": 2.0}
 async def _line(kind: str, delay_ab: float = 0.0, delay_bc: float = 0.0) -> list[MeshService]:
     """A—B—C; A and C share no link."""
     if kind == "tcp":
-        b = await start_node(node_config("b", "10.9.0.2/24", listen=["tcp://127.0.0.1:0"], limits=LIMITS), B)
+        b = await start_node(node_config("b", "10.9.0.2/24", listen=["tcp://127.0.0.1:0"], limits=LIMITS))
         to_b = to_c = b.listen_addrs[0]
     else:
         r1, r2 = ring_name(), ring_name()
         b = await start_node(
-            node_config("b", "10.9.0.2/24", listen=[f"ring://{r1}", f"ring://{r2}"], limits=LIMITS), B
+            node_config("b", "10.9.0.2/24", listen=[f"ring://{r1}", f"ring://{r2}"], limits=LIMITS),
         )
         to_b, to_c = f"ring://{r1}?delay={delay_ab}", f"ring://{r2}?delay={delay_bc}"
-    a = await start_node(node_config("a", "10.9.0.1/24", peers=[to_b], limits=LIMITS), A)
-    c = await start_node(node_config("c", "10.9.0.3/24", peers=[to_c], limits=LIMITS), C)
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[to_b], limits=LIMITS))
+    c = await start_node(node_config("c", "10.9.0.3/24", peers=[to_c], limits=LIMITS))
     nodes = [a, b, c]
     await async_wait_until(lambda: converged(nodes), 10, "routes to converge")
     return nodes
 
 
-def _link_us(node: MeshService, nid: int) -> int:
-    links = node.links.get(nid)
+def _link_us(node: MeshService, peer: MeshService) -> int:
+    links = node.links.get(peer.node_id)
     return links[0].latency_us if links else 0
 
 
-def _route_us(node: MeshService, dst: int) -> int:
-    p = node.table.lat_paths.get(dst)
+def _route_us(node: MeshService, dst: MeshService) -> int:
+    p = node.table.lat_paths.get(dst.node_id)
     return p.latency_us if p is not None and p.hops > 0 else 0
 
 
-def _edge_us(node: MeshService, origin: int, nid: int) -> int:
-    """The latency of origin's edge to nid in the records `node` holds."""
-    rec = node.table.records.get(origin)
-    return dict(rec.neighbours).get(nid, 0) if rec is not None else 0
+def _edge_us(node: MeshService, origin: MeshService, to: MeshService) -> int:
+    """The latency of origin's edge to `to` in the records `node` holds."""
+    rec = node.table.records.get(origin.node_id)
+    return dict(rec.neighbours).get(to.node_id, 0) if rec is not None else 0
 
 
 def _state(a: MeshService, b: MeshService, c: MeshService) -> str:
     return (
-        f"links a-b {_link_us(a, B)}/{_link_us(b, A)} us, b-c {_link_us(b, C)}/{_link_us(c, B)} us;"
-        f" a's route to c {_route_us(a, C)} us (records: a {a.table.records[A].neighbours},"
-        f" b {a.table.records[B].neighbours})"
+        f"links a-b {_link_us(a, b)}/{_link_us(b, a)} us, b-c {_link_us(b, c)}/{_link_us(c, b)} us;"
+        f" a's route to c {_route_us(a, c)} us (records: a {a.table.records[a.node_id].neighbours},"
+        f" b {a.table.records[b.node_id].neighbours})"
     )
 
 
@@ -93,13 +92,13 @@ def _close(got: int, want: int, rel: float, floor_us: int) -> bool:
     return abs(got - want) <= rel * want + floor_us
 
 
-def _check_shown(a: MeshService) -> None:
+def _check_shown(a: MeshService, b: MeshService, c: MeshService) -> None:
     """routes() and peers() show what the graph and the links hold (µs resolution)."""
-    route = _route_us(a, C)
-    assert a.table.hop_paths[C].latency_us == route  # a line: both policies take the one path
+    route = _route_us(a, c)
+    assert a.table.hop_paths[c.node_id].latency_us == route  # a line: both policies take the one path
     shown = {r["name"]: r for r in a.routes()}["c"]
     assert shown["latency_ms"] == shown["latency_ms_ll"] == round(route / 1000, 3)
-    assert a.peers()[0]["latency_ms"] == round(_link_us(a, B) / 1000, 3)
+    assert a.peers()[0]["latency_ms"] == round(_link_us(a, b) / 1000, 3)
 
 
 async def test_two_hop_route_latency_is_the_sum_of_loopback_tcp_links() -> None:
@@ -109,25 +108,25 @@ async def test_two_hop_route_latency_is_the_sum_of_loopback_tcp_links() -> None:
         # A loopback round trip through both codecs is tens to hundreds of µs: never
         # under 20 µs (a ping timed inside one millisecond tick read 1 µs before).
         def settled() -> bool:
-            ends = (_link_us(a, B), _link_us(b, A), _link_us(b, C), _link_us(c, B))
-            ab, bc = _link_us(a, B), _link_us(b, C)
-            edges = (_edge_us(a, A, B), _edge_us(a, B, C))
+            ends = (_link_us(a, b), _link_us(b, a), _link_us(b, c), _link_us(c, b))
+            ab, bc = _link_us(a, b), _link_us(b, c)
+            edges = (_edge_us(a, a, b), _edge_us(a, b, c))
             return (
                 all(20 <= x <= 50_000 for x in (*ends, *edges))
                 # each edge as a holds it (its own record, b's) is what that link measures,
                 # within the re-origination threshold (20 %, 50 µs) and some slack
                 and _close(edges[0], ab, 0.25, 75)
                 and _close(edges[1], bc, 0.25, 75)
-                and _close(_route_us(a, C), ab + bc, 0.25, 150)
+                and _close(_route_us(a, c), ab + bc, 0.25, 150)
             )
 
         # steady for 5 ping intervals, each link end measured again meanwhile
         await _wait(_steady(settled, 1.0), 20, "the route's latency to match its links", nodes)
         # exactly the sum of the record edges once the graph is built from the newest records
         # (a record may land between two throttled builds: wait for the build, don't race it)
-        await _wait(lambda: _route_us(a, C) == _edge_us(a, A, B) + _edge_us(a, B, C), 10,
+        await _wait(lambda: _route_us(a, c) == _edge_us(a, a, b) + _edge_us(a, b, c), 10,
                     "the graph built from the newest records", nodes)
-        _check_shown(a)
+        _check_shown(a, b, c)
     finally:
         await stop_all(nodes)
 
@@ -141,17 +140,17 @@ async def test_two_hop_route_latency_follows_injected_ring_delays(d_ab: float, d
         # a ring delay is a loop timer: it fires up to a millisecond late under uvloop,
         # and the pong waits for the loop like any callback; never early
         def settled() -> bool:
-            ab, bc = _link_us(a, B), _link_us(b, C)
+            ab, bc = _link_us(a, b), _link_us(b, c)
             return (
-                all(rtt_ab <= x <= rtt_ab * 1.15 + 2500 for x in (ab, _link_us(b, A)))
-                and all(rtt_bc <= x <= rtt_bc * 1.15 + 2500 for x in (bc, _link_us(c, B)))
-                and _close(_route_us(a, C), ab + bc, 0.25, 150)
+                all(rtt_ab <= x <= rtt_ab * 1.15 + 2500 for x in (ab, _link_us(b, a)))
+                and all(rtt_bc <= x <= rtt_bc * 1.15 + 2500 for x in (bc, _link_us(c, b)))
+                and _close(_route_us(a, c), ab + bc, 0.25, 150)
             )
 
         await _wait(settled, 20, "latencies close to the injected delays", nodes)
-        route = _route_us(a, C)
+        route = _route_us(a, c)
         assert rtt_ab + rtt_bc <= route <= (rtt_ab + rtt_bc) * 1.15 + 5000, _state(a, b, c)
-        _check_shown(a)
+        _check_shown(a, b, c)
     finally:
         await stop_all(nodes)
 
@@ -162,27 +161,29 @@ async def test_latency_reorigination_follows_the_smoothed_rtt_and_is_rate_bounde
     makes at most one version per `latency_hold`."""
     r = ring_name()
     quiet = {"mesh_ping_interval": 60.0, "mesh_dead_after": 600.0}  # only the link-up pings
-    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"], limits=quiet), A)
-    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r}"], limits=quiet), B)
+    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"], limits=quiet))
+    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r}"], limits=quiet))
     a.latency_hold = 0.3
     loop = asyncio.get_running_loop()
     try:
         await async_wait_until(lambda: converged([a, b]), 10, "routes")
-        await async_wait_until(lambda: dict(a.table.local.neighbours).get(B, 0) > 0, 5, "first measurement")
-        link = a.links[B][0]
+        await async_wait_until(
+            lambda: dict(a.table.local.neighbours).get(b.node_id, 0) > 0, 5, "first measurement"
+        )
+        link = a.links[b.node_id][0]
 
         def pong(rtt_us: int) -> None:
             a._on_pong(link, memoryview(U64.pack(rtt_clock_us() - rtt_us)))
 
         def recorded() -> int:
-            return dict(a.table.local.neighbours)[B]
+            return dict(a.table.local.neighbours)[b.node_id]
 
         for _ in range(40):  # a step to 2 ms: the smoothed RTT gets there, the record follows
             pong(2000)
         assert 1960 <= link.latency_us <= 2040
         await async_wait_until(lambda: not latency_moved(link.latency_us, recorded()), 5, "re-origination")
         assert abs(recorded() - 2000) <= 400
-        await async_wait_until(lambda: b.table.records[A] == a.table.local, 5, "b holds a's record")
+        await async_wait_until(lambda: b.table.records[a.node_id] == a.table.local, 5, "b holds a's record")
 
         version = a.table.local.version
         for i in range(100):  # ±5 % jitter: nothing to re-originate

@@ -16,11 +16,11 @@ ip = ipaddress.ip_address
 
 
 async def test_wrong_secret_and_wrong_network_fail_on_both_sides() -> None:
-    hub = await start_node(node_config("hub", "10.9.0.1/24", listen=["tcp://127.0.0.1:0"]), 1)
+    hub = await start_node(node_config("hub", "10.9.0.1/24", listen=["tcp://127.0.0.1:0"]))
     url = hub.listen_addrs[0]
-    good = await start_node(node_config("good", "10.9.0.2/24", peers=[url]), 2)
-    bad_secret = await start_node(node_config("bad1", "10.9.0.3/24", peers=[url], secret="wrong secret!"), 3)
-    bad_net = await start_node(node_config("bad2", "10.9.0.4/24", peers=[url], network="othernet"), 4)
+    good = await start_node(node_config("good", "10.9.0.2/24", peers=[url]))
+    bad_secret = await start_node(node_config("bad1", "10.9.0.3/24", peers=[url], secret="wrong secret!"))
+    bad_net = await start_node(node_config("bad2", "10.9.0.4/24", peers=[url], network="othernet"))
     nodes = [hub, good, bad_secret, bad_net]
     try:
         await async_wait_until(lambda: converged([hub, good]), 10, "good node")
@@ -40,7 +40,7 @@ async def test_wrong_secret_and_wrong_network_fail_on_both_sides() -> None:
             assert bad.links == {} and bad.name_table() == {
                 bad.config.node.name: (bad.config.node.ipv4.ip, None)
             }  # type: ignore[union-attr]
-        assert set(hub.table.records) == {1, 2} and set(good.table.records) == {1, 2}
+        assert set(hub.table.records) == {hub.node_id, good.node_id} == set(good.table.records)
         assert hub.lookup(ip("10.9.0.3")) is None and good.lookup(ip("10.9.0.4")) is None
         assert REGISTRY.value("meshgate_mesh_handshakes_total", "failed_handshake") >= 2
     finally:
@@ -49,7 +49,7 @@ async def test_wrong_secret_and_wrong_network_fail_on_both_sides() -> None:
 
 async def test_stalled_handshake_times_out_and_pending_is_bounded() -> None:
     limits = {"handshake_timeout": 0.3, "max_pending_handshakes": 2}
-    hub = await start_node(node_config("hub", listen=["tcp://127.0.0.1:0"], limits=limits), 1)
+    hub = await start_node(node_config("hub", listen=["tcp://127.0.0.1:0"], limits=limits))
     host, port = hub.listen_addrs[0].removeprefix("tcp://").rsplit(":", 1)
     conns = [await asyncio.open_connection(host, int(port)) for _ in range(4)]
     try:
@@ -68,11 +68,11 @@ async def test_stalled_handshake_times_out_and_pending_is_bounded() -> None:
 
 async def test_silent_link_is_declared_dead_and_routes_withdrawn_within_10s() -> None:
     r = ring_name()
-    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"]), 1)
-    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r}"]), 2)
+    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"]))
+    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r}"]))
     try:
         await async_wait_until(lambda: converged([a, b]), 10, "routes")
-        link = a.links[2][0]
+        link = a.links[b.node_id][0]
         assert isinstance(link.transport, RingTransport)
         # the wire goes silent both ways (no FIN, no RST): only the ping timeout can notice
         link.transport.blackhole = True
@@ -93,16 +93,16 @@ async def _square() -> tuple[list[MeshService], list[str]]:
     """A-B-C and A-D-C: two equal-hop paths from A to C."""
     rings = [ring_name() for _ in range(4)]
     a = await start_node(
-        node_config("a", "10.9.0.1/24", listen=[f"ring://{rings[0]}", f"ring://{rings[1]}"]), 1
+        node_config("a", "10.9.0.1/24", listen=[f"ring://{rings[0]}", f"ring://{rings[1]}"]),
     )
     b = await start_node(
-        node_config("b", "10.9.0.2/24", peers=[f"ring://{rings[0]}"], listen=[f"ring://{rings[2]}"]), 2
+        node_config("b", "10.9.0.2/24", peers=[f"ring://{rings[0]}"], listen=[f"ring://{rings[2]}"]),
     )
     d = await start_node(
-        node_config("d", "10.9.0.4/24", peers=[f"ring://{rings[1]}"], listen=[f"ring://{rings[3]}"]), 4
+        node_config("d", "10.9.0.4/24", peers=[f"ring://{rings[1]}"], listen=[f"ring://{rings[3]}"]),
     )
     c = await start_node(
-        node_config("c", "10.9.0.3/24", peers=[f"ring://{rings[2]}", f"ring://{rings[3]}"]), 3
+        node_config("c", "10.9.0.3/24", peers=[f"ring://{rings[2]}", f"ring://{rings[3]}"]),
     )
     nodes = [a, b, c, d]
     await async_wait_until(lambda: converged(nodes), 10, "square")
@@ -114,15 +114,15 @@ async def test_killing_a_relay_reroutes() -> None:
     a, b, c, d = nodes
     try:
         r = a.lookup(ip("10.9.0.3"))
-        assert r is not None and r.next_hop in (2, 4) and r.hops == 2
-        relay, other = (b, d) if r.next_hop == 2 else (d, b)
+        assert r is not None and r.next_hop in (b.node_id, d.node_id) and r.hops == 2
+        relay, other = (b, d) if r.next_hop == b.node_id else (d, b)
         await relay.stop()
         await async_wait_until(
             lambda: (x := a.lookup(ip("10.9.0.3"))) is not None and x.next_hop == other.node_id, 10, "reroute"
         )
         got: list[bytes] = []
         c.on_datagram(1, lambda src, p: got.append(p))
-        assert a.send_datagram(3, 1, b"after reroute")
+        assert a.send_datagram(c.node_id, 1, b"after reroute")
         await async_wait_until(lambda: got == [b"after reroute"], 5, "datagram via the other relay")
         gone = relay.config.node.ipv4.ip  # type: ignore[union-attr]
         await async_wait_until(lambda: a.lookup(gone) is None, 5, "the stopped relay withdrawn")
@@ -132,21 +132,25 @@ async def test_killing_a_relay_reroutes() -> None:
 
 async def test_restarted_node_resyncs_fully() -> None:
     r = ring_name()
-    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"]), 1)
-    c1 = await start_node(node_config("c", "10.9.0.3/24", peers=[f"ring://{r}"]), 3)
+    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"]))
+    c1 = await start_node(node_config("c", "10.9.0.3/24", peers=[f"ring://{r}"]))
     try:
         await async_wait_until(lambda: converged([a, c1]), 10, "first life")
-        old_session = a.table.records[3].session
+        old_session = a.table.records[c1.node_id].session
         await c1.stop()
         await async_wait_until(lambda: a.lookup(ip("10.9.0.3")) is None, 10, "c gone")
-        # same node id, new session, new address
-        c2 = await start_node(node_config("c", "10.9.0.33/24", peers=[f"ring://{r}"]), 3)
+        # same node id, new session, new address.
+        # LITERAL ID ON PURPOSE: the restarted node keeps c1's id, so it is made directly
+        # (start_node would give it a fresh one).
+        c2 = MeshService(node_config("c", "10.9.0.33/24", peers=[f"ring://{r}"]), node_id=c1.node_id)
+        await c2.start()
         try:
             await async_wait_until(lambda: converged([a, c2]), 10, "second life")
-            assert a.table.records[3].session == c2.session != old_session
+            assert c2.node_id == c1.node_id
+            assert a.table.records[c2.node_id].session == c2.session != old_session
             await async_wait_until(lambda: a.lookup(ip("10.9.0.33")) is not None, 5, "new record")
             assert a.lookup(ip("10.9.0.3")) is None
-            assert c2.table.records[1] == a.table.local  # c2 started empty and got a's record again
+            assert c2.table.records[a.node_id] == a.table.local  # c2 started empty and got a's record again
         finally:
             await c2.stop()
     finally:
@@ -155,15 +159,16 @@ async def test_restarted_node_resyncs_fully() -> None:
 
 async def test_duplicate_virtual_ip_has_one_winner_everywhere() -> None:
     r1, r2 = ring_name(), ring_name()
-    hub = await start_node(node_config("hub", "10.9.0.1/24", listen=[f"ring://{r1}", f"ring://{r2}"]), 5)
-    x = await start_node(node_config("x", "10.9.0.9/24", peers=[f"ring://{r1}"]), 9)
-    y = await start_node(node_config("y", "10.9.0.9/24", peers=[f"ring://{r2}"]), 7)
+    hub = await start_node(node_config("hub", "10.9.0.1/24", listen=[f"ring://{r1}", f"ring://{r2}"]))
+    x = await start_node(node_config("x", "10.9.0.9/24", peers=[f"ring://{r1}"]))
+    y = await start_node(node_config("y", "10.9.0.9/24", peers=[f"ring://{r2}"]))
     nodes = [hub, x, y]
     try:
         await async_wait_until(lambda: converged(nodes), 10, "routes")
         for n in nodes:
             route = n.lookup(ip("10.9.0.9"))
-            assert route is not None and route.node_id == 7  # the lowest node id, on every node
+            # the lower node id of the two claimants, on every node
+            assert route is not None and route.node_id == min(x.node_id, y.node_id)
         assert REGISTRY.value("meshgate_mesh_duplicate_total", "virtual_ip") >= 1
     finally:
         await stop_all(nodes)
@@ -172,29 +177,33 @@ async def test_duplicate_virtual_ip_has_one_winner_everywhere() -> None:
 async def test_least_hop_and_least_latency_choose_different_paths() -> None:
     r1, r2, r3 = ring_name(), ring_name(), ring_name()
     a = await start_node(
-        node_config("a", "10.9.0.1/24", listen=[f"ring://{r1}", f"ring://{r3}"], policy="least-latency"), 1
+        node_config("a", "10.9.0.1/24", listen=[f"ring://{r1}", f"ring://{r3}"], policy="least-latency"),
     )
-    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r1}"], listen=[f"ring://{r2}"]), 2)
+    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r1}"], listen=[f"ring://{r2}"]))
     # the direct a-c link is slow: 25 ms each way
     c = await start_node(
-        node_config("c", "10.9.0.3/24", peers=[f"ring://{r2}", f"ring://{r3}?delay=0.025"]), 3
+        node_config("c", "10.9.0.3/24", peers=[f"ring://{r2}", f"ring://{r3}?delay=0.025"]),
     )
     nodes = [a, b, c]
     try:
         await async_wait_until(lambda: converged(nodes), 10, "routes")
         # wait for the direct link, then for its measured latency to reach the records
-        await async_wait_until(lambda: (p := a.table.hop_paths.get(3)) is not None and p.hops == 1, 10, "a-c")
         await async_wait_until(
-            lambda: (p := a.table.lat_paths.get(3)) is not None and p.next_hop == 2, 10, "latency measured"
+            lambda: (p := a.table.hop_paths.get(c.node_id)) is not None and p.hops == 1, 10, "a-c"
         )
-        hop = a.table.hop_paths[3]
-        assert (hop.next_hop, hop.hops) == (3, 1)
-        assert a.table.lat_paths[3].hops == 2
+        await async_wait_until(
+            lambda: (p := a.table.lat_paths.get(c.node_id)) is not None and p.next_hop == b.node_id,
+            10,
+            "latency measured",
+        )
+        hop = a.table.hop_paths[c.node_id]
+        assert (hop.next_hop, hop.hops) == (c.node_id, 1)
+        assert a.table.lat_paths[c.node_id].hops == 2
         route = a.lookup(ip("10.9.0.3"))  # a's policy is least-latency
-        assert route is not None and route.next_hop == 2 and route.hops == 2
+        assert route is not None and route.next_hop == b.node_id and route.hops == 2
         got: list[bytes] = []
         c.on_datagram(2, lambda src, p: got.append(p))
-        a.send_datagram(3, 2, b"fast path")
+        a.send_datagram(c.node_id, 2, b"fast path")
         await async_wait_until(lambda: got == [b"fast path"], 5, "datagram")
         assert b.stats is not None
     finally:
@@ -203,11 +212,11 @@ async def test_least_hop_and_least_latency_choose_different_paths() -> None:
 
 async def test_forged_records_on_a_live_link_are_dropped_and_counted() -> None:
     r = ring_name()
-    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"]), 1)
-    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r}"]), 2)
+    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"]))
+    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r}"]))
     try:
         await async_wait_until(lambda: converged([a, b]), 10, "routes")
-        transport = b.links[1][0].transport
+        transport = b.links[a.node_id][0].transport
         assert isinstance(transport, RingTransport)
         body = bytes(64)
         for counter in (10_000, 10_001, 10_002):  # well-formed headers, garbage ciphertext
@@ -215,7 +224,7 @@ async def test_forged_records_on_a_live_link_are_dropped_and_counted() -> None:
         await async_wait_until(lambda: a.stats["records_forged"] == 3, 5, "forgeries counted")
         got: list[bytes] = []
         a.on_datagram(9, lambda src, p: got.append(p))
-        assert b.send_datagram(1, 9, b"still up")
+        assert b.send_datagram(a.node_id, 9, b"still up")
         await async_wait_until(lambda: got == [b"still up"], 5, "link survives")
         assert REGISTRY.value("meshgate_mesh_records_dropped_total", "forged") >= 3
     finally:
@@ -224,8 +233,8 @@ async def test_forged_records_on_a_live_link_are_dropped_and_counted() -> None:
 
 async def test_max_peers_bounds_links() -> None:
     r = ring_name()
-    hub = await start_node(node_config("hub", listen=[f"ring://{r}"], limits={"max_peers": 2}), 1)
-    spokes = [await start_node(node_config(f"s{i}", peers=[f"ring://{r}"]), 10 + i) for i in range(3)]
+    hub = await start_node(node_config("hub", listen=[f"ring://{r}"], limits={"max_peers": 2}))
+    spokes = [await start_node(node_config(f"s{i}", peers=[f"ring://{r}"])) for i in range(3)]
     try:
         await async_wait_until(lambda: hub.stats["too_many_links"] >= 1, 10, "a refused link")
         assert sum(map(len, hub.links.values())) == 2
@@ -235,27 +244,27 @@ async def test_max_peers_bounds_links() -> None:
 
 async def test_two_links_to_one_neighbour_survive_losing_one() -> None:
     r1, r2 = ring_name(), ring_name()
-    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r1}", f"ring://{r2}"]), 1)
+    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r1}", f"ring://{r2}"]))
     # the second link is slower: the faster one carries the traffic
     b = await start_node(
-        node_config("b", "10.9.0.2/24", peers=[f"ring://{r1}", f"ring://{r2}?delay=0.01"]), 2
+        node_config("b", "10.9.0.2/24", peers=[f"ring://{r1}", f"ring://{r2}?delay=0.01"]),
     )
     try:
-        await async_wait_until(lambda: len(b.links.get(1, ())) == 2, 10, "two links")
-        await async_wait_until(lambda: all(lk.latency_us for lk in b.links[1]), 10, "both measured")
+        await async_wait_until(lambda: len(b.links.get(a.node_id, ())) == 2, 10, "two links")
+        await async_wait_until(lambda: all(lk.latency_us for lk in b.links[a.node_id]), 10, "both measured")
         await async_wait_until(lambda: b.lookup(ip("10.9.0.1")) is not None, 10, "route to a")
         assert len(b.peers()) == 2
-        fast = min(b.links[1], key=lambda lk: lk.latency_us)
-        assert b._best_link(1) is fast
+        fast = min(b.links[a.node_id], key=lambda lk: lk.latency_us)
+        assert b._best_link(a.node_id) is fast
         got: list[bytes] = []
         a.on_datagram(4, lambda src, p: got.append(p))
         assert fast.transport is not None
         fast.transport.close()
-        await async_wait_until(lambda: len(b.links.get(1, ())) == 1, 5, "one link left")
+        await async_wait_until(lambda: len(b.links.get(a.node_id, ())) == 1, 5, "one link left")
         for _ in range(20):  # the neighbour stays reachable throughout
             assert b.lookup(ip("10.9.0.1")) is not None
             await asyncio.sleep(0.01)
-        assert b.send_datagram(1, 4, b"via the other link")
+        assert b.send_datagram(a.node_id, 4, b"via the other link")
         await async_wait_until(lambda: got == [b"via the other link"], 5, "datagram")
     finally:
         await stop_all([a, b])

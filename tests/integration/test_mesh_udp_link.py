@@ -22,9 +22,7 @@ from meshgate.mesh.service import MeshService
 from meshgate.mesh.udp_session import INIT_MIN, KIND_DATA, KIND_INIT
 from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
-from tests.mesh_testing import Collector, converged, node_config, start_node, stop_all, write_all
-
-A, B, C = 0xA, 0xB, 0xC
+from tests.mesh_testing import Collector, converged, mesh_node, node_config, start_node, stop_all, write_all
 
 
 def _kernel_gso() -> bool:
@@ -63,26 +61,26 @@ async def _stream_sha(src: MeshService, dst: int, port: int, data: bytes) -> byt
 @pytest.mark.parametrize("gso", [True, False], ids=["gso", "per-packet"])
 async def test_udp_line_stream_datagrams_and_gso(gso: bool) -> None:
     limits = {"udp_link_gso": gso}
-    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits), B)
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits))
     url = b.listen_addrs[0]
     assert url.startswith("udp://127.0.0.1:") and not url.endswith(":0")
-    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits), A)
-    c = await start_node(node_config("c", "10.9.0.3/24", peers=[url], limits=limits), C)
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits))
+    c = await start_node(node_config("c", "10.9.0.3/24", peers=[url], limits=limits))
     nodes = [a, b, c]
     srv, port = await _sha_server()
     try:
         await async_wait_until(lambda: converged(nodes), 15, "routes over udp:// links")
         route = a.lookup(ipaddress.ip_address("10.9.0.3"))
-        assert route is not None and route.next_hop == B and route.hops == 2
+        assert route is not None and route.next_hop == b.node_id and route.hops == 2
         assert [p["url"].startswith("udp://127.0.0.1:") for p in b.peers()] == [True, True]
         data = os.urandom(16 << 20)
-        assert await _stream_sha(a, C, port, data) == hashlib.sha256(data).digest()
+        assert await _stream_sha(a, c.node_id, port, data) == hashlib.sha256(data).digest()
 
         seen: list[bytes] = []
         c.on_datagram(3, lambda src, p: seen.append(p))
         sent = [os.urandom(n) for n in (1, 200, 1300, 1300, 9000)]  # 9000: too big for one packet
         for p in sent:
-            assert a.send_datagram(C, 3, p)
+            assert a.send_datagram(c.node_id, 3, p)
         await async_wait_until(lambda: sorted(seen) == sorted(sent), 5, "datagrams over two hops")
 
         # big datagrams (TUN bundles are up to 32 KiB) travel in pieces, not on the reliable
@@ -95,7 +93,7 @@ async def test_udp_line_stream_datagrams_and_gso(gso: bool) -> None:
         big = [i.to_bytes(2, "big") + os.urandom(n) for i, n in enumerate([1500, 4000, 32768, 60000] * 25)]
         for i in range(0, len(big), 20):
             for p in big[i : i + 20]:
-                assert a.send_datagram(C, 3, p)
+                assert a.send_datagram(c.node_id, 3, p)
             await async_wait_until(lambda: len(seen) >= i + 20, 5, "a batch of big datagrams")  # noqa: B023
         assert sorted(seen) == sorted(big)
         # only link-local frames (pings) took the reliable channel meanwhile: far fewer segments
@@ -123,22 +121,22 @@ async def test_udp_line_stream_datagrams_and_gso(gso: bool) -> None:
 
 async def test_udp_link_comes_back_after_the_peer_restarts() -> None:
     limits = {"mesh_ping_interval": 0.2, "mesh_dead_after": 1.0}
-    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits), B)
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits))
     url = b.listen_addrs[0]
     port = int(url.rsplit(":", 1)[1])
-    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits), A)
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits))
     try:
         await async_wait_until(lambda: converged([a, b]), 10, "first link")
         await b.stop()  # says CLOSE: a drops the link at once, not at its dead timer
         await async_wait_until(lambda: not a.links, 5, "link down on a")
         b = await start_node(
-            node_config("b", "10.9.0.2/24", listen=[f"udp://127.0.0.1:{port}"], limits=limits), B
+            node_config("b", "10.9.0.2/24", listen=[f"udp://127.0.0.1:{port}"], limits=limits),
         )
         await async_wait_until(lambda: converged([a, b]), 15, "link re-established")
         srv, sport = await _sha_server()
         try:
             data = os.urandom(1 << 20)
-            assert await _stream_sha(a, B, sport, data) == hashlib.sha256(data).digest()
+            assert await _stream_sha(a, b.node_id, sport, data) == hashlib.sha256(data).digest()
         finally:
             srv.close()
         # the restarted b holds one session for a: the old one ended when b stopped
@@ -151,9 +149,9 @@ async def test_vanished_peer_is_detected_and_reconnected() -> None:
     """No CLOSE (the peer's packets simply stop): the ping timeout ends the link, and the
     configured peer is dialled again once the other side answers."""
     limits = {"mesh_ping_interval": 0.2, "mesh_dead_after": 1.0}
-    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits), B)
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits))
     url = b.listen_addrs[0]
-    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits), A)
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits))
     try:
         await async_wait_until(lambda: converged([a, b]), 10, "first link")
         (link,) = _udp_links(a)
@@ -168,14 +166,14 @@ async def test_vanished_peer_is_detected_and_reconnected() -> None:
 
 async def test_strays_and_wrong_secret_learn_nothing() -> None:
     b = await start_node(
-        node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits={"handshake_timeout": 1.0}), B
+        node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits={"handshake_timeout": 1.0}),
     )
     url = b.listen_addrs[0]
     host, port = url.removeprefix("udp://").rsplit(":", 1)
     bad_cfg = node_config(
         "bad", "10.9.0.4/24", peers=[url], secret="wrong secret!", limits={"handshake_timeout": 1.0}
     )
-    bad = await start_node(bad_cfg, 0xBAD)
+    bad = await start_node(bad_cfg)
     stray = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     stray.setblocking(False)
     stray.bind(("127.0.0.1", 0))
@@ -206,7 +204,7 @@ async def test_strays_and_wrong_secret_learn_nothing() -> None:
             15, "wrong secret refused on both sides",
         )
         await async_wait_until(lambda: b.stats["handshake_failed_timeout"] >= 1, 5, "stray's handshake ended")
-        assert set(bad.table.records) == {0xBAD} and 0xBAD not in b.table.records
+        assert set(bad.table.records) == {bad.node_id} and bad.node_id not in b.table.records
         assert b.links == {} and bad.links == {}
     finally:
         stray.close()
@@ -217,7 +215,7 @@ async def test_too_small_mtu_is_a_startup_error() -> None:
     from meshgate.errors import StartupError
 
     cfg = node_config("a", listen=["udp://127.0.0.1:0"], limits={"udp_link_mtu": 100})
-    svc = MeshService(cfg, node_id=1)
+    svc = mesh_node(cfg)
     with pytest.raises(StartupError, match=r"limits\.udp_link_mtu"):
         await svc.start()
     await svc.stop()
@@ -227,8 +225,8 @@ async def test_new_session_from_the_same_address_replaces_the_old_one() -> None:
     """A peer that restarts on the same source port (no CLOSE sent): its new session ends the
     old one at once, long before the ping timeout would."""
     limits = {"mesh_dead_after": 30.0}
-    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits), B)
-    a = await start_node(node_config("a", "10.9.0.1/24", limits=limits), A)
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits))
+    a = await start_node(node_config("a", "10.9.0.1/24", limits=limits))
     url = b.listen_addrs[0]
     host, port = url.removeprefix("udp://").rsplit(":", 1)
     try:
@@ -281,10 +279,10 @@ async def test_roaming_peer_keeps_its_session_and_forgeries_move_nothing(
 ) -> None:
     caplog.set_level(logging.INFO, logger="meshgate.mesh.udp")
     limits = {"mesh_ping_interval": 0.2, "mesh_dead_after": 2.0}
-    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits), B)
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], limits=limits))
     url = b.listen_addrs[0]
     host, port = url.removeprefix("udp://").rsplit(":", 1)
-    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits), A)
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits))
     stray = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     stray.setblocking(False)
     stray.bind(("127.0.0.1", 0))
@@ -333,7 +331,7 @@ async def test_roaming_peer_keeps_its_session_and_forgeries_move_nothing(
         assert any(moved in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
         assert listener.by_addr == {new_addr: lb} and listener.by_id == {lb.local_id: lb}
         data = os.urandom(2 << 20)
-        assert await _stream_sha(a, B, sport, data) == hashlib.sha256(data).digest()
+        assert await _stream_sha(a, b.node_id, sport, data) == hashlib.sha256(data).digest()
         # the same sessions, no new handshake, still hearing each other a dead timer later
         assert _udp_links(a) == [la] and _udp_links(b) == [lb]
         assert (a.stats["handshake_ok"], b.stats["handshake_ok"]) == handshakes == (1, 1)
@@ -357,33 +355,33 @@ async def test_tun_bundles_fit_one_udp_packet() -> None:
     from meshgate.mesh.udp_session import ACK, DATA_OVERHEAD, DGRAM
     from tests.unit.test_tun_packets import ipv4
 
-    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"]), B)
-    a = await start_node(node_config("a", "10.9.0.1/24", peers=[b.listen_addrs[0]]), A)
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"]))
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[b.listen_addrs[0]]))
     loop = asyncio.get_running_loop()
     socks: list[socket.socket] = []
     paths: list[TunPath] = []
     try:
         await async_wait_until(lambda: converged([a, b]), 10, "link")
-        assert a.datagram_room(B) == 1472 - DATA_OVERHEAD - ACK.size - DGRAM.size - FRAME.size - 2
+        assert a.datagram_room(b.node_id) == 1472 - DATA_OVERHEAD - ACK.size - DGRAM.size - FRAME.size - 2
         hosts = {}
-        for nid, svc, ip in ((A, a, "10.9.0.1"), (B, b, "10.9.0.2")):
+        for svc, ip in ((a, "10.9.0.1"), (b, "10.9.0.2")):
             dev, host = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
             host.setblocking(False)
             socks += [dev, host]
             path = TunPath(loop, dev.fileno(), svc, ipaddress.IPv4Address(ip), None, 1380, egress=False)
             path.start()
             paths.append(path)
-            hosts[nid] = host
+            hosts[svc.node_id] = host
         src, dst = ipaddress.IPv4Address("10.9.0.1").packed, ipaddress.IPv4Address("10.9.0.2").packed
         sent = [ipv4(src, dst, tp.PROTO_UDP, i.to_bytes(2, "big") + os.urandom(n))
                 for i, n in enumerate([1200] * 20 + [40] * 40)]
         (link,) = _udp_links(a)
         before = link.session.packets_out
         for p in sent:  # written before the loop runs: one read batch, one bundle pass
-            hosts[A].send(p)
+            hosts[a.node_id].send(p)
         got: list[bytes] = []
         while len(got) < len(sent):
-            got.append(await asyncio.wait_for(loop.sock_recv(hosts[B], 65536), 5))
+            got.append(await asyncio.wait_for(loop.sock_recv(hosts[b.node_id], 65536), 5))
         assert sorted(g[20:] for g in got) == sorted(p[20:] for p in sent)
         assert link.session.fragmented_out == 0  # nothing was cut into pieces
         # the 40 small ones shared packets: far fewer packets than IP packets

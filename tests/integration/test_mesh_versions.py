@@ -15,7 +15,7 @@ from tests.mesh_testing import node_config, start_node, stop_all
 async def test_a_version_1_peer_gets_our_preface_a_close_and_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    node = await start_node(node_config("a", listen=["tcp://127.0.0.1:0"]), 1)
+    node = await start_node(node_config("a", listen=["tcp://127.0.0.1:0"]))
     try:
         host, port = node.listen_addrs[0].removeprefix("tcp://").rsplit(":", 1)
         before = node.stats["handshake_failed_bad_version"]

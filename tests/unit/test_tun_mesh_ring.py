@@ -20,33 +20,33 @@ from tests.helpers import async_wait_until
 from tests.mesh_testing import converged, node_config, ring_name, start_node, stop_all
 from tests.unit.test_tun_packets import icmp_echo, ipv4, ref_sum
 
-A, B, C = 0xA, 0xB, 0xC
+A, B, C = "a", "b", "c"  # roles (keys of the fixture), not node ids: those are each svc.node_id
 IP = {A: "10.144.144.1", B: "10.144.144.2", C: "10.144.144.3"}
 
 
-def packed(node: int) -> bytes:
+def packed(node: str) -> bytes:
     return ipaddress.IPv4Address(IP[node]).packed
 
 
 @pytest.fixture
-async def mesh() -> AsyncIterator[dict[int, tuple[MeshService, TunPath, socket.socket]]]:
+async def mesh() -> AsyncIterator[dict[str, tuple[MeshService, TunPath, socket.socket]]]:
     r1, r2 = ring_name(), ring_name()
-    b = await start_node(node_config("b", IP[B] + "/24", listen=[f"ring://{r1}", f"ring://{r2}"]), B)
-    a = await start_node(node_config("a", IP[A] + "/24", peers=[f"ring://{r1}"]), A)
+    b = await start_node(node_config("b", IP[B] + "/24", listen=[f"ring://{r1}", f"ring://{r2}"]))
+    a = await start_node(node_config("a", IP[A] + "/24", peers=[f"ring://{r1}"]))
     c = await start_node(node_config("c", IP[C] + "/24", peers=[f"ring://{r2}"],
-                                     proxy_cidrs=["10.1.2.0/24"]), C)
+                                     proxy_cidrs=["10.1.2.0/24"]))
     nodes = {A: a, B: b, C: c}
-    out: dict[int, tuple[MeshService, TunPath, socket.socket]] = {}
+    out: dict[str, tuple[MeshService, TunPath, socket.socket]] = {}
     socks: list[socket.socket] = []
     loop = asyncio.get_running_loop()
-    for nid, svc in nodes.items():
+    for role, svc in nodes.items():
         dev, host = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         host.setblocking(False)
         socks += [dev, host]
-        path = TunPath(loop, dev.fileno(), svc, ipaddress.IPv4Address(IP[nid]), None, 1380,
-                       egress=(nid == C))
+        path = TunPath(loop, dev.fileno(), svc, ipaddress.IPv4Address(IP[role]), None, 1380,
+                       egress=(role == C))
         path.start()
-        out[nid] = (svc, path, host)
+        out[role] = (svc, path, host)
     try:
         await async_wait_until(lambda: converged(nodes.values()), 10, "routes")
         yield out
