@@ -1,10 +1,12 @@
 """The web console in headless Chromium, against real nodes in this process: `portal` with two
 mesh peers (`relay`, `laptop`) and `exit` behind the relay, DNS questions and SOCKS5 traffic
 through the mesh running while the page polls in real time (DevTools protocol on a pipe:
-chromium_pipe.py). The page must show every node in the graph and charts with data points.
+chromium_pipe.py). The page must show every node in the graph, charts with data points, the
+DNS tiles and each upstream's health; typing the token in makes Reload work (a wrong one: 401).
 
-MESHGATE_UPDATE_SCREENSHOTS=1 also writes the screenshot to docs/console.png (the README's);
-without it the picture goes to a temporary directory only, so a CI run leaves the tree clean.
+MESHGATE_UPDATE_SCREENSHOTS=1 also writes the screenshot to docs/console.png (the README's,
+after a minute of samples); without it the picture stays in memory, so a CI run leaves the
+tree clean. Under MESHGATE_REQUIRE_E2E=1 a missing chromium fails instead of skipping.
 """
 
 from __future__ import annotations
@@ -200,6 +202,22 @@ async def test_the_console_shows_the_mesh_and_live_charts(tour: dict[str, Any]) 
         assert seen["health"][tour["upstream"]] == "ok" and seen["health"][tour["dead"]] == "failing"
         assert '"secret": "***"' in text and SECRET not in text and TOKEN not in text
         png = await page.screenshot()
+
+        # Reload from the page: the token typed in goes out as Authorization: Bearer
+        async def reload_with(token: str) -> str:
+            await page.evaluate(f"""document.getElementById('token').value = {json.dumps(token)};
+                                   document.getElementById('auth').requestSubmit(); 0""")
+            await async_wait_until(lambda: page.evaluate("!document.getElementById('reload').hidden"),
+                                   10, "the Reload button")
+            await page.evaluate("document.getElementById('auth-note').textContent = ''; "
+                                "document.getElementById('reload').click(); 0")
+            note = "document.getElementById('auth-note').textContent"
+            await async_wait_until(lambda: page.evaluate(f"{note}.startsWith('reload')"), 10,
+                                   "a reload answer")
+            return str(await page.evaluate(note))
+
+        assert await reload_with("wrong-" + TOKEN) == "reload refused: HTTP 401"
+        assert (await reload_with(TOKEN)).startswith("reload: ")  # the node's answer, shown
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     if UPDATE:  # refresh the README's picture
         (ROOT / "docs" / "console.png").write_bytes(png)
