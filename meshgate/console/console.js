@@ -141,7 +141,8 @@ function drawGraph(mesh) {
   const g = $("graph");
   clear(g);
   if (!mesh) {
-    g.appendChild(svg("text", { x: 400, y: 210, class: "node-sub" }, "this node runs no mesh"));
+    g.setAttribute("viewBox", "0 0 800 60");
+    g.appendChild(svg("text", { x: 400, y: 34, class: "node-sub" }, "this node runs no mesh"));
     $("mesh-summary").textContent = "";
     return;
   }

@@ -165,7 +165,7 @@ PROBE = """JSON.stringify({
   direct: document.querySelectorAll('#graph line.edge.direct').length,
   other: document.querySelectorAll('#graph line.edge:not(.direct)').length,
   peers: [...document.querySelectorAll('#peers tr[data-peer]')].map((r) => r.dataset.peer).sort(),
-  reloadHidden: document.getElementById('reload').hidden,
+  reloadHidden: getComputedStyle(document.getElementById('reload')).display === 'none',
   hit: document.getElementById('dns-hit').textContent,
   blocked: +document.getElementById('dns-blocked').textContent || 0,
   health: Object.fromEntries([...document.querySelectorAll('#upstreams tbody tr')].map(
@@ -173,6 +173,7 @@ PROBE = """JSON.stringify({
   text: document.body.innerText,
 })"""
 UPDATE = os.environ.get("MESHGATE_UPDATE_SCREENSHOTS") == "1"
+SHOWN = "getComputedStyle(document.getElementById('{}')).display !== 'none'"
 SAMPLES = 30 if UPDATE else 8  # polls (2 s apart) before the charts count as drawn; a minute for the picture
 
 
@@ -207,8 +208,7 @@ async def test_the_console_shows_the_mesh_and_live_charts(tour: dict[str, Any]) 
         async def reload_with(token: str) -> str:
             await page.evaluate(f"""document.getElementById('token').value = {json.dumps(token)};
                                    document.getElementById('auth').requestSubmit(); 0""")
-            await async_wait_until(lambda: page.evaluate("!document.getElementById('reload').hidden"),
-                                   10, "the Reload button")
+            await async_wait_until(lambda: page.evaluate(SHOWN.format("reload")), 10, "the Reload button")
             await page.evaluate("document.getElementById('auth-note').textContent = ''; "
                                 "document.getElementById('reload').click(); 0")
             note = "document.getElementById('auth-note').textContent"
@@ -221,3 +221,21 @@ async def test_the_console_shows_the_mesh_and_live_charts(tour: dict[str, Any]) 
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     if UPDATE:  # refresh the README's picture
         (ROOT / "docs" / "console.png").write_bytes(png)
+
+
+async def test_without_a_token_the_console_offers_no_reload(tmp_path: Path) -> None:
+    binary = require_tool("chromium")
+    port = free_port()
+    node = Node(from_dict({"node": {"state_dir": str(tmp_path)}, "socks5": {"listen": "127.0.0.1:0"},
+                           "admin": {"listen": f"127.0.0.1:{port}"}}))
+    await node.start()
+    try:
+        async with open_page(binary, CHROMIUM_FLAGS, f"http://127.0.0.1:{port}/", 1280, 900) as page:
+            conn = "document.getElementById('conn')?.textContent || ''"
+            await async_wait_until(lambda: page.evaluate(f"({conn}).includes('2 samples')"), 30, "two polls")
+            assert not await page.evaluate(SHOWN.format("auth"))  # no token field, no Reload
+            graph = await page.evaluate("document.getElementById('graph').textContent")
+            assert graph == "this node runs no mesh"
+            assert await page.evaluate(SHOWN.format("dns-off"))
+    finally:
+        await node.stop()
