@@ -241,6 +241,58 @@ def cmd_secret(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_key(args: argparse.Namespace) -> int:
+    """`meshgate key show`: the node's public key (made on first use), for `meshgate ca sign --pub`."""
+    from meshgate.mesh.identity import IdentityError, load_or_create, public_text
+
+    cfg = _state_config(args)
+    if cfg is None:
+        return EXIT_CONFIG
+    try:
+        ident = load_or_create(cfg.state_path)
+    except IdentityError as e:
+        print(f"meshgate: {e}", file=sys.stderr)
+        return EXIT_STARTUP
+    print(public_text(ident.public))
+    print(f"fingerprint: {ident.fingerprint}", file=sys.stderr)
+    print(f"node id: {ident.node_id:08x}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_ca(args: argparse.Namespace) -> int:
+    """`meshgate ca init|sign|revoke|show` (meshgate/mesh/authority.py, docs/OPERATIONS.md)."""
+    from meshgate.mesh import authority, certs
+
+    try:
+        if args.ca_command == "init":
+            ca = authority.init(args.network, Path(args.out), authority.parse_duration(args.valid))
+            print(f"CA for network {ca.network!r} in {args.out}: {authority.CA_CERT} (give it to every"
+                  f" node as node.ca), {authority.CA_KEY} (keep it offline)")
+            print(f"fingerprint: {ca.fingerprint}")
+        elif args.ca_command == "sign":
+            cert = authority.sign(
+                Path(args.ca), name=args.name, public=args.pub, ip=args.ip, ip6=args.ip6,
+                cidrs=tuple(args.cidr or ()), exit=args.exit,
+                groups=tuple(g for g in (args.groups or "").split(",") if g),
+                valid=authority.parse_duration(args.valid),
+            )
+            Path(args.out).write_text(certs.armor(certs.CERT_LABEL, cert.raw))
+            print(f"certificate for {cert.name} in {args.out}; fingerprint {cert.fingerprint}")
+        elif args.ca_command == "revoke":
+            rl = authority.revoke(Path(args.ca), args.target)
+            print(f"{Path(args.ca) / authority.REVOKED}: serial {rl.serial}, {len(rl.revoked)} revoked;"
+                  " copy it to any node's node.revocation_list (the mesh carries it to the rest)")
+        else:
+            print(authority.describe(Path(args.file).read_text()))
+    except (authority.AuthorityError, certs.CertError) as e:
+        print(f"meshgate: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as e:
+        print(f"meshgate: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_CONFIG
+    return EXIT_OK
+
+
 def cmd_dns(args: argparse.Namespace) -> int:
     from meshgate.dns import client
 
@@ -280,8 +332,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(args)
 
 
-def _tls_config(args: argparse.Namespace) -> config.Config | None:
-    """The config `meshgate tls` reads: -c FILE, or the defaults with --state-dir. Without the
+def _state_config(args: argparse.Namespace) -> config.Config | None:
+    """The config `meshgate tls` and `key` read: -c FILE, or the defaults with --state-dir. Without the
     mesh part (a file whose secret comes from $MESHGATE_SECRET at `run` loads without it)."""
     try:
         cfg = config.load(args.config, {"mesh": {"listen": [], "peers": []}})
@@ -299,7 +351,7 @@ def cmd_tls(args: argparse.Namespace) -> int:
     docs/OPERATIONS.md)."""
     from meshgate import tls
 
-    cfg = _tls_config(args)
+    cfg = _state_config(args)
     if cfg is None:
         return EXIT_CONFIG
     ca = cfg.state_path / tls.CA_CERT_NAME
@@ -396,6 +448,40 @@ def build_parser() -> argparse.ArgumentParser:
     ssub = sec.add_subparsers(dest="secret_command", required=True)
     sn = ssub.add_parser("new", help="print a new random network secret (256 bits)")
     sn.set_defaults(func=cmd_secret)
+
+    k = sub.add_parser("key", help="the node's identity key")
+    ksub = k.add_subparsers(dest="key_command", required=True)
+    ks = ksub.add_parser("show", help="print the node's public key (made on first use)")
+    where = ks.add_mutually_exclusive_group()
+    where.add_argument("--state-dir", metavar="DIR", help="the node's state directory")
+    where.add_argument("-c", "--config", help="TOML config file (its node.state_dir)")
+    ks.set_defaults(func=cmd_key)
+
+    ca = sub.add_parser("ca", help="the network authority: certificates and revocation (offline)")
+    casub = ca.add_subparsers(dest="ca_command", required=True)
+    ci = casub.add_parser("init", help="make a CA key and certificate")
+    ci.add_argument("--network", required=True, help="the network name (node.network)")
+    ci.add_argument("--out", required=True, metavar="DIR")
+    ci.add_argument("--valid", default="3y", help="e.g. 3y, 365d (default 3y)")
+    cs = casub.add_parser("sign", help="issue a node certificate")
+    cs.add_argument("--ca", required=True, metavar="DIR")
+    cs.add_argument("--name", required=True)
+    cs.add_argument("--pub", required=True, metavar="KEY", help="from `meshgate key show` on the node")
+    cs.add_argument("--ip", required=True, metavar="ADDR/PREFIX",
+                    help="its virtual IPv4, e.g. 10.144.144.5/24")
+    cs.add_argument("--ip6", metavar="ADDR/PREFIX")
+    cs.add_argument("--cidr", action="append", metavar="CIDR|REAL->MAPPED",
+                    help="a proxy CIDR it may advertise")
+    cs.add_argument("--exit", action="store_true", help="it may offer itself as an exit node")
+    cs.add_argument("--groups", metavar="a,b")
+    cs.add_argument("--valid", default="90d")
+    cs.add_argument("--out", required=True, metavar="FILE")
+    cr = casub.add_parser("revoke", help="revoke a certificate (DIR/revoked, serial + 1)")
+    cr.add_argument("--ca", required=True, metavar="DIR")
+    cr.add_argument("target", metavar="CERT_OR_FINGERPRINT")
+    csh = casub.add_parser("show", help="print a certificate or revocation list in words")
+    csh.add_argument("file", metavar="FILE")
+    ca.set_defaults(func=cmd_ca)
 
     t = sub.add_parser("tls", help="the node's local CA: show it, trust it in browsers")
     tsub = t.add_subparsers(dest="tls_command", required=True)

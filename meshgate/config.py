@@ -119,6 +119,12 @@ class NodeConfig:
     ipv4: ipaddress.IPv4Interface | None = None
     ipv6: ipaddress.IPv6Interface | None = None
     state_dir: str = DEFAULT_STATE_DIR
+    # certificate mode (docs/OPERATIONS.md "Identity"): this node's certificate, the CA
+    # certificates it trusts (more than one while a CA is rotated) and the revocation list
+    certificate: str = ""
+    ca: tuple[str, ...] = ()
+    revocation_list: str = ""
+    require_certificates: bool = True  # false: also link with secret-mode peers (a migration)
 
 
 @dataclass(frozen=True)
@@ -757,10 +763,16 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
                       "log_level"])
 
     n = _section(r, raw, "node")
-    r.table(n, "node.", ["name", "network", "secret", "secret_file", "ipv4", "ipv6", "state_dir"])
+    r.table(n, "node.", ["name", "network", "secret", "secret_file", "ipv4", "ipv6", "state_dir",
+                         "certificate", "ca", "revocation_list", "require_certificates"])
     # MESHGATE_SECRET keeps the secret out of files and images (compose env_file);
     # the file's secret / secret_file and then --secret win over it.
     secret = r.secret(n, "node.", "secret", base.node.secret, "MESHGATE_SECRET")
+    ca_files = base.node.ca  # node.ca: one path, or a list while a CA is rotated
+    if isinstance(n.get("ca"), list):
+        ca_files = r.items(n, "node.", "ca", _parse_nonempty_str) or ()
+    elif "ca" in n:
+        ca_files = tuple(x for x in (r.value(n, "node.", "ca", _parse_nonempty_str, ""),) if x)
     node = NodeConfig(
         name=r.value(n, "node.", "name", _parse_nonempty_str, base.node.name),
         network=r.value(n, "node.", "network", _parse_nonempty_str, base.node.network),
@@ -768,7 +780,19 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         ipv4=r.value(n, "node.", "ipv4", _ipv4_iface, base.node.ipv4),
         ipv6=r.value(n, "node.", "ipv6", _ipv6_iface, base.node.ipv6),
         state_dir=r.value(n, "node.", "state_dir", _parse_nonempty_str, base.node.state_dir),
+        certificate=r.value(n, "node.", "certificate", _parse_nonempty_str, base.node.certificate),
+        ca=ca_files,
+        revocation_list=r.value(n, "node.", "revocation_list", _parse_nonempty_str,
+                                base.node.revocation_list),
+        require_certificates=r.value(n, "node.", "require_certificates", _parse_bool,
+                                     base.node.require_certificates),
     )
+    if node.certificate and not any(node.ca):
+        r.problem("node.ca", "node.certificate needs the CA certificate(s) it is checked against")
+    if any(node.ca) and not node.certificate:
+        r.problem("node.certificate", "node.ca is set: give this node's certificate too")
+    if node.certificate and not node.require_certificates and not node.secret:
+        r.problem("node.require_certificates", "false links with secret-mode peers: set node.secret too")
     if any(c in node.name for c in ". /") or len(node.name) > 63:
         r.problem("node.name", f"{node.name!r} must be a DNS label: no dots, spaces or slashes, ≤ 63 chars")
 
@@ -783,8 +807,9 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         exit_nodes=r.items(m, "mesh.", "exit_nodes", _exit_node_ref) or base.mesh.exit_nodes,
         direct_fallback=r.value(m, "mesh.", "direct_fallback", _parse_bool, base.mesh.direct_fallback),
     )
-    if (mesh.listen or mesh.peers) and not node.secret:
-        r.problem("node.secret", "a network secret is required when mesh.listen or mesh.peers is set")
+    if (mesh.listen or mesh.peers) and not node.secret and not node.certificate:
+        r.problem("node.secret", "a network secret (or node.certificate) is required when mesh.listen"
+                  " or mesh.peers is set")
     if node.secret and len(node.secret) < 8 and (mesh.listen or mesh.peers):
         r.problem("node.secret", "too short; use at least 8 characters")
 

@@ -15,6 +15,7 @@ from typing import Any, cast
 
 from meshgate.config import Config, LimitsConfig, from_dict
 from meshgate.egress.connect import local_connect
+from meshgate.mesh.identity import Identity
 from meshgate.mesh.service import MeshService
 
 _ring_ids = itertools.count(1)
@@ -45,25 +46,18 @@ def node_config(
     return from_dict(raw)
 
 
-def _fresh_id() -> int:
-    """A random non-zero 32-bit node id for a test node.
-
-    Interim: this goes away when node ids come from the node's public key
-    (then MeshService derives the id itself and this is the one place to change).
-    """
-    return secrets.randbits(32) or 1
-
-
-def mesh_node(cfg: Config) -> MeshService:
+def mesh_node(cfg: Config, identity: Identity | None = None) -> MeshService:
     """A MeshService whose streams leave from this host (its own virtual IPs mean loopback).
 
-    Its id is not chosen by the test: refer to it as `svc.node_id`."""
+    Its id comes from its key, a fresh one unless `identity` is given (a restarted node):
+    refer to it as `svc.node_id`."""
     own = {str(i.ip) for i in (cfg.node.ipv4, cfg.node.ipv6) if i is not None}
-    return MeshService(cfg, node_id=_fresh_id(), egress=local_connect(own, cfg.limits.socks5_connect_timeout))
+    egress = local_connect(own, cfg.limits.socks5_connect_timeout)
+    return MeshService(cfg, identity=identity or Identity.generate(), egress=egress)
 
 
-async def start_node(cfg: Config) -> MeshService:
-    svc = mesh_node(cfg)
+async def start_node(cfg: Config, identity: Identity | None = None) -> MeshService:
+    svc = mesh_node(cfg, identity)
     await svc.start()
     return svc
 

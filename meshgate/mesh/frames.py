@@ -33,7 +33,9 @@ from cryptography.hazmat.primitives.kdf.argon2 import Argon2id
 from meshgate.mesh.noise import HandshakeState, NoiseError, generate_private, rekey_key
 
 MAGIC = b"MGMx"
-VERSION = 2  # 2: the PSK comes from Argon2id (1 used HKDF); docs/PROTOCOL.md section 8
+# 3: node keys; the HELLO and route records are signed (2: the PSK from Argon2id; 1: HKDF).
+# docs/PROTOCOL.md section 8
+VERSION = 3
 PREFACE = MAGIC + bytes((VERSION, 0))
 NOISE_PATTERN = "XXpsk3"
 
@@ -43,6 +45,7 @@ PING = 0x02
 PONG = 0x03
 ROUTES = 0x04
 ROUTE_ACK = 0x05
+REVOCATION = 0x06  # a CA's signed revocation list, flooded (certificate mode)
 STREAM_OPEN = 0x10
 STREAM_ACCEPT = 0x11
 STREAM_DATA = 0x12
@@ -52,12 +55,13 @@ STREAM_RESET = 0x15
 DATAGRAM = 0x20
 FRAME_NAMES = {
     HELLO: "hello", PING: "ping", PONG: "pong", ROUTES: "routes", ROUTE_ACK: "route_ack",
+    REVOCATION: "revocation",
     STREAM_OPEN: "stream_open", STREAM_ACCEPT: "stream_accept", STREAM_DATA: "stream_data",
     STREAM_WINDOW: "stream_window", STREAM_FIN: "stream_fin", STREAM_RESET: "stream_reset",
     DATAGRAM: "datagram",
 }
 # Link-local frames are consumed by the neighbour; everything else is routed end to end.
-LINK_LOCAL = frozenset((HELLO, PING, PONG, ROUTES, ROUTE_ACK))
+LINK_LOCAL = frozenset((HELLO, PING, PONG, ROUTES, ROUTE_ACK, REVOCATION))
 
 # flags
 FLAG_OPENER = 0x01  # stream frame sent by the side that opened the stream
@@ -75,7 +79,7 @@ MAX_RECORD = MAX_PLAINTEXT + TAG + RECORD_EXTRA
 REPLAY_WINDOW = 64
 DEFAULT_REKEY_AFTER = 1 << 30  # records per key: far below the 2^64 nonce space
 
-HELLO_BODY = struct.Struct("!IIB")  # node id, session, name length; then name
+HELLO_BODY = struct.Struct("!IIB")  # node id, session, name length; then name, key, cert, signature
 U32 = struct.Struct("!I")
 U64 = struct.Struct("!Q")
 
@@ -112,23 +116,56 @@ def prologue(network: str) -> bytes:
 
 @dataclass(frozen=True)
 class Hello:
+    """The first sealed frame on a link: who the sender is. `key` is its 64-byte public key
+    (identity.py), `cert` its node certificate (certificate mode) or empty, `signature` its
+    Ed25519 signature of `hello_signed_data` for this link's handshake."""
+
     node_id: int
     session: int
     name: str
+    key: bytes = b""
+    cert: bytes = b""
+    signature: bytes = b""
+
+
+HelloBody = Callable[[bytes, bool], bytes]  # (handshake hash, we initiated) -> the HELLO body
+
+
+def hello_signed_data(handshake_hash: bytes, initiator: bool) -> bytes:
+    """What a HELLO's signature covers: this link's Noise handshake hash (so a HELLO cannot be
+    replayed on another link) and the sender's role (so it cannot be reflected)."""
+    return b"meshgate hello|" + (b"i" if initiator else b"r") + handshake_hash
 
 
 def encode_hello(h: Hello) -> bytes:
     name = h.name.encode()[:255]
-    return HELLO_BODY.pack(h.node_id, h.session, len(name)) + name
+    return (HELLO_BODY.pack(h.node_id, h.session, len(name)) + name + bytes((len(h.key),)) + h.key
+            + len(h.cert).to_bytes(2, "big") + h.cert + bytes((len(h.signature),)) + h.signature)
 
 
 def decode_hello(body: bytes | memoryview) -> Hello:
+    body = bytes(body)
     if len(body) < HELLO_BODY.size:
         raise LinkError("bad_hello", "truncated hello")
     node_id, session, n = HELLO_BODY.unpack_from(body)
-    if len(body) != HELLO_BODY.size + n:
+    pos = HELLO_BODY.size
+    try:
+        name = body[pos : pos + n].decode("utf-8", "replace")
+        pos += n
+        klen = body[pos]
+        key = body[pos + 1 : pos + 1 + klen]
+        pos += 1 + klen
+        clen = int.from_bytes(body[pos : pos + 2], "big")
+        cert = body[pos + 2 : pos + 2 + clen]
+        pos += 2 + clen
+        slen = body[pos]
+        signature = body[pos + 1 : pos + 1 + slen]
+        pos += 1 + slen
+    except IndexError:
+        raise LinkError("bad_hello", "truncated hello") from None
+    if pos != len(body) or len(key) != klen or len(cert) != clen or len(signature) != slen:
         raise LinkError("bad_hello", "bad hello length")
-    return Hello(node_id, session, bytes(body[HELLO_BODY.size :]).decode("utf-8", "replace"))
+    return Hello(node_id, session, name, key, cert, signature)
 
 
 def _nonce(counter: int) -> bytes:
@@ -247,7 +284,8 @@ def iter_frames(plain: bytes, on_frame: FrameHandler) -> int:
 class LinkCodec:
     """One end of one link. Create, call `start()` and feed bytes.
 
-    Phases: preface+handshake -> established (records). With `hello` given, the
+    Phases: preface+handshake -> established (records). With `hello` given (a function of
+    the handshake hash giving the HELLO body, which signs it), the
     HELLO frame is queued as the first frame once the handshake finishes;
     `on_frame` sees the peer's HELLO like any other frame.
     """
@@ -259,15 +297,18 @@ class LinkCodec:
         psk: bytes,
         on_frame: FrameHandler,
         rekey_after: int = DEFAULT_REKEY_AFTER,
-        hello: Hello | None = None,
+        hello: HelloBody | None = None,
+        static: bytes | None = None,
     ) -> None:
         self.initiator = initiator
         self.hello = hello
         self.on_frame = on_frame
         self.rekey_after = rekey_after
         self._hs: HandshakeState | None = HandshakeState(
-            NOISE_PATTERN, initiator, prologue(network), s=generate_private(), psks=(psk,)
+            NOISE_PATTERN, initiator, prologue(network), s=static or generate_private(), psks=(psk,)
         )
+        self.remote_static = b""  # the peer's Noise static key, once the handshake is done
+        self.handshake_hash = b""
         self._buf = bytearray()
         self._got_preface = False
         self._out: list[bytes] = []
@@ -361,11 +402,13 @@ class LinkCodec:
         send_key, recv_key = (i2r.k, r2i.k) if self.initiator else (r2i.k, i2r.k)
         self.send = SendCipher(send_key, self.rekey_after)
         self.recv = RecvCipher(recv_key)
+        self.remote_static = hs.rs or b""
+        self.handshake_hash = hs.handshake_hash
         self._hs = None
         if self.hello is not None:
             # HELLO is the first sealed frame each side sends, before anything the
             # records that follow in this same read might make us send
-            self.send_frame(HELLO, 0, 1, self.hello.node_id, 0, encode_hello(self.hello))
+            self.send_frame(HELLO, 0, 1, 0, 0, self.hello(self.handshake_hash, self.initiator))
 
     def _receive_records(self, buf: bytes | bytearray | memoryview) -> int:
         """Open the complete records at the start of `buf` (the held-back buffer or fresh

@@ -45,7 +45,7 @@ from typing import Any
 
 from meshgate.config import LimitsConfig, LinkUrl
 from meshgate.logs import RateLimitedLog
-from meshgate.mesh.frames import HELLO, LinkError, encode_hello
+from meshgate.mesh.frames import HELLO, LinkError
 from meshgate.mesh.links import LinkBase, LinkOwner
 from meshgate.mesh.tun_routes import mark_socket
 from meshgate.mesh.udp_session import KIND_DATA, KIND_INIT, UdpSession, is_init, payload_size, receiver_id
@@ -349,7 +349,7 @@ class UdpLink(LinkBase):
             max_retransmits=limits.udp_link_retransmits, on_established=self._established,
             reassembly=limits.udp_link_reassembly, reassembly_bytes=limits.udp_link_reassembly_bytes,
             reassembly_timeout=limits.udp_link_reassembly_timeout,
-            fragment=limits.udp_link_fragment_datagrams,
+            fragment=limits.udp_link_fragment_datagrams, static=owner.identity.dh_private,
         )
         self._flush_scheduled = False
         self._timer_handle: asyncio.TimerHandle | None = None
@@ -369,9 +369,10 @@ class UdpLink(LinkBase):
 
     def _established(self) -> None:
         assert self.session.send is not None
-        hello = self.owner.hello
+        s = self.session
+        self.remote_static, self.handshake_hash = s.remote_static, s.handshake_hash
         # the HELLO is the first frame on the reliable channel, as on a byte-pipe link
-        self.session.send_frame(HELLO, 0, 1, hello.node_id, 0, encode_hello(hello))
+        s.send_frame(HELLO, 0, 1, 0, 0, self.owner.hello_body(s.handshake_hash, self.initiator))
         if self.on_up is not None:
             self.on_up(self)
 

@@ -26,6 +26,7 @@ from meshgate.mesh.frames import (
     LinkError,
     decode_hello,
 )
+from meshgate.mesh.identity import Identity
 
 log = logging.getLogger("meshgate.mesh.links")
 _rlog = RateLimitedLog(log)
@@ -37,9 +38,11 @@ class LinkOwner(Protocol):
     node_id: int
     network: str
     psk: bytes
-    hello: Hello
+    identity: Identity
     handshake_timeout: float
     loop: asyncio.AbstractEventLoop
+
+    def hello_body(self, handshake_hash: bytes, initiator: bool) -> bytes: ...
 
     def link_ready(self, link: LinkBase) -> bool: ...
     def link_lost(self, link: LinkBase) -> None: ...
@@ -59,6 +62,10 @@ class LinkBase:
         self.initiator = initiator
         self.loop = owner.loop
         self.peer: Hello | None = None  # set when the peer's HELLO arrives
+        # the peer's Noise static key and the handshake hash, once the handshake is done:
+        # the owner checks the HELLO against them
+        self.remote_static = b""
+        self.handshake_hash = b""
         self.closed: asyncio.Future[bool] = self.loop.create_future()  # result: was it established
         self._timer: asyncio.TimerHandle | None = None
         self.last_rx = self.loop.time()
@@ -178,8 +185,15 @@ class Link(LinkBase, asyncio.Protocol):
     def __init__(self, owner: LinkOwner, url: str, initiator: bool) -> None:
         super().__init__(owner, url, initiator)
         self.transport: asyncio.Transport | None = None
-        self.codec = LinkCodec(initiator, owner.network, owner.psk, self._on_frame, hello=owner.hello)
+        self.codec = LinkCodec(
+            initiator, owner.network, owner.psk, self._on_frame, hello=self._hello_body,
+            static=owner.identity.dh_private,
+        )
         self._flush_scheduled = False
+
+    def _hello_body(self, handshake_hash: bytes, initiator: bool) -> bytes:
+        self.remote_static, self.handshake_hash = self.codec.remote_static, handshake_hash
+        return self.owner.hello_body(handshake_hash, initiator)
 
     # ------------------------------------------------------------ asyncio.Protocol
 

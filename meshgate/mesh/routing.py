@@ -21,7 +21,7 @@ import heapq
 import ipaddress
 import logging
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from meshgate.logs import RateLimitedLog
@@ -41,6 +41,7 @@ _duplicates = REGISTRY.counter(
 )
 _builds = REGISTRY.counter("meshgate_mesh_route_builds_total", "Route graph builds")
 
+MAX_CANDIDATES = 4  # received versions of one origin held for checking at once
 UNKNOWN_LATENCY_US = 500_000  # an edge whose latency was never measured costs 500 ms
 
 _HEAD = struct.Struct("!IIQBB")  # origin, session, version, flags, name length
@@ -65,11 +66,15 @@ class Record:
     cidrs: tuple[tuple[IPNetwork, bool], ...] = ()  # (advertised network, is mapped)
     exit: bool = False
     neighbours: tuple[tuple[int, int], ...] = ()  # (node id, latency µs), sorted
+    key: bytes = b""  # the origin's public key (identity.py), 64 bytes
+    cert: bytes = b""  # the origin's node certificate (certificate mode), else empty
+    signature: bytes = b""  # the origin's Ed25519 signature of `signed_part`
 
     def same_content(self, other: Record) -> bool:
         return (
             self.name == other.name and self.ipv4 == other.ipv4 and self.ipv6 == other.ipv6
             and self.cidrs == other.cidrs and self.exit == other.exit and self.neighbours == other.neighbours
+            and self.key == other.key and self.cert == other.cert
         )
 
     def encode(self) -> bytes:
@@ -78,6 +83,11 @@ class Record:
     @functools.cached_property
     def encoded(self) -> bytes:
         """Encoded once: a record is flooded to every neighbour, unchanged."""
+        return self.signed_part + bytes((len(self.signature),)) + self.signature
+
+    @functools.cached_property
+    def signed_part(self) -> bytes:
+        """Everything but the signature: what the origin signs."""
         name = self.name.encode()[:255]
         flags = (_F_EXIT if self.exit else 0) | (_F_V4 if self.ipv4 else 0) | (_F_V6 if self.ipv6 else 0)
         out = bytearray(_HEAD.pack(self.origin, self.session, self.version, flags, len(name)))
@@ -94,6 +104,10 @@ class Record:
         out += len(self.neighbours).to_bytes(2, "big")
         for nid, lat in self.neighbours:
             out += _NEIGH.pack(nid, min(lat, 0xFFFFFFFF))
+        out.append(len(self.key))
+        out += self.key
+        out += len(self.cert).to_bytes(2, "big")
+        out += self.cert
         return bytes(out)
 
 
@@ -132,13 +146,24 @@ def decode_record(data: bytes | memoryview, pos: int = 0) -> tuple[Record, int]:
         for _ in range(count):
             neighbours.append(_NEIGH.unpack_from(data, pos))
             pos += _NEIGH.size
+        klen = data[pos]
+        key = bytes(data[pos + 1 : pos + 1 + klen])
+        pos += 1 + klen
+        clen = int.from_bytes(bytes(data[pos : pos + 2]), "big")
+        cert = bytes(data[pos + 2 : pos + 2 + clen])
+        pos += 2 + clen
+        if len(cert) != clen:
+            raise RecordError("truncated certificate")
+        slen = data[pos]
+        signature = bytes(data[pos + 1 : pos + 1 + slen])
+        pos += 1 + slen
     except (struct.error, IndexError, ValueError) as e:
         raise RecordError(f"malformed record: {e}") from None
     if pos > len(data):
         raise RecordError("truncated record")
     return (
         Record(origin, session, version, name, ipv4, ipv6, tuple(cidrs), bool(flags & _F_EXIT),
-               tuple(sorted(neighbours))),
+               tuple(sorted(neighbours)), key, cert, signature),
         pos,
     )
 
@@ -243,7 +268,16 @@ class RouteTable:
         resend_after: float = 3.0,
         exit_nodes: tuple[str, ...] = (),
         max_cache: int = 4096,
+        sign: Callable[[bytes], bytes] | None = None,
+        accept: Callable[[Record, Record | None], str | None] | None = None,
     ) -> None:
+        # `sign` signs the own record's every version; `accept(new, held)` vets a received
+        # record before it is stored (None: store; else the reason it is dropped, counted).
+        # The mesh gives both (trust.py); the table alone, as unit tests use it, does neither.
+        self._sign = sign
+        self._accept = accept
+        if sign is not None:
+            local = replace(local, signature=sign(local.signed_part))
         self.local = local
         self.node_id = local.origin
         self.max_records = max_records
@@ -251,6 +285,8 @@ class RouteTable:
         self.resend_after = resend_after
         self.exit_nodes = exit_nodes
         self.records: dict[int, Record] = {local.origin: local}
+        self.refused = 0  # records `accept` dropped
+        self._unchecked: dict[int, list[tuple[Record, int]]] = {}  # origin -> [(record, from)], newest first
         self._sync: dict[int, _NeighbourSync] = {}
         self._unreachable_since: dict[int, float] = {}
         self.dirty = True
@@ -272,6 +308,8 @@ class RouteTable:
         if new.same_content(self.local):
             return False
         new = replace(new, version=self.local.version + 1)
+        if self._sign is not None:
+            new = replace(new, signature=self._sign(new.signed_part))
         self.local = new
         self.records[self.node_id] = new
         self.dirty = True
@@ -342,11 +380,69 @@ class RouteTable:
                     _duplicates.labels("node_id").inc()
                 _dropped.labels("stale").inc()
                 continue
-            self.records[rec.origin] = rec
-            self._changed(rec.origin)
-            if old is None or not rec.same_content(old):
-                self.dirty = True
+            if self._accept is not None:
+                self._hold_for_check(rec, from_nid)
+                continue
+            self._store(rec, old)
         return acks
+
+    def _store(self, rec: Record, old: Record | None) -> None:
+        self.records[rec.origin] = rec
+        self._changed(rec.origin)
+        if old is None or not rec.same_content(old):
+            self.dirty = True
+
+    def _hold_for_check(self, rec: Record, from_nid: int) -> None:
+        """Keep a received record for `settle`: while records pour in (a mesh forming, a
+        flap), an origin's versions that a newer one supersedes before the next settle are
+        never checked (a signature check costs more than everything else a record costs).
+        Candidates are kept per origin, newest first, so a forged newer version (which fails)
+        cannot hide a genuine older one that arrived beside it."""
+        cands = self._unchecked.get(rec.origin)
+        if cands is None:
+            if len(self._unchecked) >= self.max_records:
+                _dropped.labels("table_full").inc()
+                return
+            cands = self._unchecked[rec.origin] = []
+        key = (rec.version, rec.session, rec.signature)
+        if any((c.version, c.session, c.signature) == key for c, _ in cands):
+            return  # the same version from another neighbour
+        cands.append((rec, from_nid))
+        cands.sort(key=lambda c: (c[0].version, c[0].session), reverse=True)
+        del cands[MAX_CANDIDATES:]
+
+    @property
+    def unchecked(self) -> int:
+        """Origins with received records waiting for `settle`."""
+        return len(self._unchecked)
+
+    def settle(self) -> int:
+        """Check the held records (newest first per origin) and store the first that passes;
+        returns how many were stored. The mesh calls this before each build."""
+        if not self._unchecked or self._accept is None:
+            return 0
+        held, self._unchecked = self._unchecked, {}
+        stored = 0
+        for origin, cands in held.items():
+            for rec, from_nid in cands:
+                old = self.records.get(origin)
+                if old is not None and (rec.version, rec.session) <= (old.version, old.session):
+                    break  # nothing newer than what is stored is left
+                if old is None and len(self.records) >= self.max_records:
+                    _dropped.labels("table_full").inc()
+                    break
+                reason = self._accept(rec, old)
+                if reason is None:
+                    self._store(rec, old)
+                    stored += 1
+                    break
+                _dropped.labels(reason).inc()
+                self.refused += 1
+                _rlog.warning(
+                    f"refused:{reason}:{origin}", "route record of %08x (%r, via %08x) dropped: %s",
+                    origin, rec.name, from_nid, reason,
+                )
+        return stored
 
     def receive_acks(self, from_nid: int, acks: Iterable[tuple[int, int]]) -> None:
         sync = self._sync.get(from_nid)
@@ -384,6 +480,20 @@ class RouteTable:
             out.append(rec)
         return out
 
+    def forget(self, origins: Iterable[int]) -> None:
+        """Delete these records now (revoked or expired origins); their next versions are
+        vetted again by `accept` when they arrive."""
+        for origin in origins:
+            self._unchecked.pop(origin, None)
+            if origin == self.node_id or self.records.pop(origin, None) is None:
+                continue
+            self._unreachable_since.pop(origin, None)
+            for sync in self._sync.values():
+                sync.acked.pop(origin, None)
+                sync.sent.pop(origin, None)
+                sync.pending.discard(origin)
+            self.dirty = True
+
     def expire(self, now: float) -> list[int]:
         """Drop records whose origin has been unreachable for `expiry` seconds."""
         gone = [o for o, since in self._unreachable_since.items() if now - since >= self.expiry]
@@ -408,6 +518,7 @@ class RouteTable:
 
     def build(self) -> bool:
         """Rebuild routes if anything changed; returns True if it did."""
+        self.settle()
         if not self.dirty:
             return False
         self.dirty = False

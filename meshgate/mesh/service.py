@@ -18,13 +18,14 @@ import random
 import struct
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from meshgate import replies
 from meshgate.config import Config, LimitsConfig, LinkUrl
 from meshgate.errors import StartupError, bind_error
 from meshgate.logs import RateLimitedLog
+from meshgate.mesh import certs
+from meshgate.mesh.certs import CertError
 from meshgate.mesh.frames import (
     DATAGRAM,
     DEFAULT_HOP_LIMIT,
@@ -34,6 +35,7 @@ from meshgate.mesh.frames import (
     MAX_BODY,
     PING,
     PONG,
+    REVOCATION,
     ROUTE_ACK,
     ROUTES,
     STREAM_OPEN,
@@ -41,7 +43,10 @@ from meshgate.mesh.frames import (
     U64,
     Hello,
     derive_psk,
+    encode_hello,
+    hello_signed_data,
 )
+from meshgate.mesh.identity import Identity, IdentityError, fingerprint, load_or_create
 from meshgate.mesh.link_kinds import LINK_KINDS, Listening
 from meshgate.mesh.links import Link, LinkBase
 from meshgate.mesh.routing import (
@@ -55,6 +60,14 @@ from meshgate.mesh.routing import (
 )
 from meshgate.mesh.splice import EgressConnect, SplicePipe
 from meshgate.mesh.streams import RESET, MeshStream, StreamError, StreamMux
+from meshgate.mesh.trust import PeerIdentity
+from meshgate.mesh.trust_files import (
+    FileWatch,
+    check_own_claims,
+    load_trust,
+    read_revocation_list,
+    store_mesh_revocation_list,
+)
 from meshgate.metrics import REGISTRY
 from meshgate.replies import GENERAL_FAILURE, NETWORK_UNREACHABLE, NOT_ALLOWED, TTL_EXPIRED
 
@@ -81,6 +94,7 @@ _datagrams = REGISTRY.counter("meshgate_mesh_datagrams_total", "Mesh datagrams",
 _forwarded = REGISTRY.counter("meshgate_mesh_frames_forwarded_total", "Frames relayed for other nodes")
 
 OPEN_TIMEOUT = 10.0
+EXPIRY_CHECK_TICKS = 10  # ping intervals between checks for certificates that expired
 MIN_BUILD_INTERVAL = 0.05  # seconds between route builds while records keep changing
 ORIGINATE_DELAY = 0.05  # coalesce changes of the own record made within this time
 # A neighbour's smoothed latency is re-originated when it moved from what the own
@@ -102,36 +116,35 @@ def latency_moved(now_us: int, recorded_us: int) -> bool:
     return abs(now_us - recorded_us) > max(LATENCY_FLOOR_US, LATENCY_CHANGE * recorded_us)
 
 
-def load_node_id(state_dir: Path) -> int:
-    """A stable node id: kept in STATE_DIR/mesh-node-id so a restart keeps its identity."""
-    path = state_dir / "mesh-node-id"
-    try:
-        return int(path.read_text().strip(), 16)
-    except (OSError, ValueError):
-        pass
-    node_id = int.from_bytes(os.urandom(4), "big") or 1
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{node_id:08x}\n")
-    except OSError as e:
-        log.warning("cannot store the mesh node id in %s (%s); it will change on restart", path, e.strerror)
-    return node_id
-
-
 class MeshService:
     name = "mesh"
 
     def __init__(
-        self, config: Config, node_id: int | None = None, egress: EgressConnect | None = None
+        self, config: Config, identity: Identity | None = None, egress: EgressConnect | None = None
     ) -> None:
         self.config = config
         limits = config.limits
-        self.node_id = node_id if node_id is not None else load_node_id(config.state_path)
+        if identity is None:
+            try:
+                identity = load_or_create(config.state_path)
+            except IdentityError as e:
+                raise StartupError(str(e)) from None
+        self.identity = identity
+        self.node_id = identity.node_id
         self.node_id_text = f"{self.node_id:08x}"
         self.network = config.node.network
+        # certificate mode without a secret: the PSK is the empty secret's, public; the
+        # certificates are the lock then (a secret, when set, stays a second one)
         self.psk = derive_psk(config.node.network, config.node.secret)
+        self.trust = load_trust(config.node, identity, config.state_path, int(time.time()))
+        own_cert = self.trust.own_cert
         self.session = int.from_bytes(os.urandom(4), "big")
-        self.hello = Hello(self.node_id, self.session, config.node.name)
+        self.name = own_cert.name if own_cert is not None else config.node.name
+        cidrs = tuple((c.advertised, c.mapped is not None) for c in config.mesh.proxy_cidrs)
+        check_own_claims(self.trust, config.node, cidrs, config.mesh.exit_node)
+        self._own_cert_raw = own_cert.raw if own_cert is not None else b""
+        self._revocation_watch = FileWatch(config.node.revocation_list)
+        self.peer_identity: dict[LinkBase, PeerIdentity] = {}
         self.handshake_timeout = limits.handshake_timeout
         self.ping_interval = limits.mesh_ping_interval
         self.dead_after = limits.mesh_dead_after
@@ -143,15 +156,18 @@ class MeshService:
             origin=self.node_id,
             session=self.session,
             version=int(time.time() * 1000),  # a restart starts above every version it sent before
-            name=config.node.name,
-            ipv4=config.node.ipv4,
-            ipv6=config.node.ipv6,
-            cidrs=tuple((c.advertised, c.mapped is not None) for c in config.mesh.proxy_cidrs),
+            name=self.name,
+            ipv4=config.node.ipv4 or (own_cert.ipv4 if own_cert is not None else None),
+            ipv6=config.node.ipv6 or (own_cert.ipv6 if own_cert is not None else None),
+            cidrs=cidrs,
             exit=config.mesh.exit_node,
+            key=identity.public,
+            cert=self._own_cert_raw,
         )
         self.table = RouteTable(
             local, max_records=limits.route_records, expiry=limits.mesh_route_expiry,
-            exit_nodes=config.mesh.exit_nodes,
+            exit_nodes=config.mesh.exit_nodes, sign=identity.sign,
+            accept=lambda rec, held: self.trust.check_record(rec, held, time.time()),
         )
         # Streams that end here leave through `egress` (the node hands in the
         # policy-checked connector); a mesh without one serves no streams.
@@ -174,8 +190,11 @@ class MeshService:
         self._latency_timer: asyncio.TimerHandle | None = None
         self._last_originated = -1e9  # loop time the own record last changed
         self._reachable: set[int] = {self.node_id}
+        self._sessions: dict[int, int] = {}  # reachable origin -> the session its record carries
+        self._ways_back: dict[int, LinkBase] = {}  # opener -> the link its last OPEN came in on
         self.listen_addrs: list[str] = []
         self.stats: collections.Counter[str] = collections.Counter()  # per-instance, for tests and status
+        self._ticks = 0
         self._running = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -319,14 +338,32 @@ class MeshService:
         _handshakes.labels(f"failed_{reason}").inc()
         _rlog.debug(f"hs:{link.url}", "mesh handshake with %s failed: %s", link.url, reason)
 
+    def hello_body(self, handshake_hash: bytes, initiator: bool) -> bytes:
+        """Our HELLO for one link: who we are, signed over that link's handshake."""
+        ident = self.identity
+        return encode_hello(Hello(
+            self.node_id, self.session, self.name, ident.public, self._own_cert_raw,
+            ident.sign(hello_signed_data(handshake_hash, initiator)),
+        ))
+
     def link_ready(self, link: LinkBase) -> bool:
         self.pending.discard(link)
         peer = link.peer
         assert peer is not None
+        checked = self.trust.check_hello(
+            peer, link.remote_static, link.handshake_hash, not link.initiator, time.time()
+        )
+        if isinstance(checked, str):
+            self._refuse_peer(link, peer, checked)
+            return False
         if peer.node_id == self.node_id:
             self.stats["duplicate_node_id"] += 1
             REGISTRY.counter("meshgate_mesh_duplicate_total", "", ("kind",)).labels("node_id").inc()
-            log.warning("link %s: peer claims our own node id %08x; closing", link.url, peer.node_id)
+            log.warning("link %s: peer has our own key (node id %08x): a copy of this node's"
+                        " state_dir runs elsewhere; closing", link.url, peer.node_id)
+            return False
+        if checked.cert is not None and peer.name != checked.cert.name:
+            self._refuse_peer(link, peer, "not_granted")
             return False
         if not self._running:
             return False
@@ -340,6 +377,7 @@ class MeshService:
             return False
         _handshakes.labels("ok").inc()
         self.stats["handshake_ok"] += 1
+        self.peer_identity[link] = checked
         links = self.links.setdefault(peer.node_id, [])
         first = not links
         links.append(link)
@@ -348,12 +386,28 @@ class MeshService:
         if first:
             self.table.neighbour_up(peer.node_id)
         self._send_ping(link)
+        rl = self.trust.revocation
+        if rl is not None:
+            link.send_frame(REVOCATION, 0, 1, self.node_id, peer.node_id, rl.raw)
         self._update_neighbours()
         self._schedule_sync()
         return True
 
+    def _refuse_peer(self, link: LinkBase, peer: Hello, reason: str) -> None:
+        """A HELLO that does not prove what it claims: counted by reason, one line naming the
+        key's fingerprint (what an operator greps their certificates for)."""
+        fp = fingerprint(peer.key)[:16] if peer.key else "none"
+        self.stats["handshake_refused"] += 1
+        self.stats[f"handshake_refused_{reason}"] += 1
+        _handshakes.labels(f"refused_{reason}").inc()
+        _rlog.warning(
+            f"refused:{reason}:{fp}", "link %s refused: peer %r (key %s…, node id %08x): %s",
+            link.url, peer.name, fp, peer.node_id, reason,
+        )
+
     def link_lost(self, link: LinkBase) -> None:
         self.pending.discard(link)
+        self.peer_identity.pop(link, None)
         peer = link.peer
         if peer is None:
             return
@@ -419,6 +473,68 @@ class MeshService:
                 self._update_neighbours()
                 return
 
+    # ------------------------------------------------------------------ revocation, expiry
+
+    def _on_revocation(self, link: LinkBase, body: memoryview) -> None:
+        try:
+            rl = certs.parse_revocation_list(bytes(body))
+        except CertError as e:
+            _frames_dropped.labels("bad_revocation").inc()
+            _rlog.debug(f"revocation:{link.url}", "bad revocation list from %s: %s", link.url, e)
+            return
+        self._take_revocation(rl, f"link {link.url}")
+
+    def _take_revocation(self, rl: certs.RevocationList, source: str) -> None:
+        if not self.trust.certificate_mode:
+            return
+        serial = self.trust.revocation.serial if self.trust.revocation is not None else None
+        reason = self.trust.adopt(rl)
+        if reason is not None:
+            if reason != "stale":
+                _frames_dropped.labels(f"revocation_{reason}").inc()
+                _rlog.warning(f"revocation:{reason}", "revocation list from %s refused: %s", source, reason)
+            return
+        log.info("revocation list serial %d (was %s) from %s: %d revoked",
+                 rl.serial, serial, source, len(rl.revoked))
+        self.stats["revocation_lists"] += 1
+        store_mesh_revocation_list(self.config.state_path, rl)
+        for nid in list(self.links):
+            link = self._best_link(nid)
+            if link is not None:
+                link.send_frame(REVOCATION, 0, 1, self.node_id, nid, rl.raw)
+        self._enforce_certificates()
+
+    def _enforce_certificates(self) -> None:
+        """Close links to, and delete the records of, nodes whose certificate is revoked or
+        expired now (the HELLO and record checks refuse them from then on)."""
+        trust = self.trust
+        if not trust.certificate_mode:
+            return
+        now = int(time.time())
+        for link, ident in list(self.peer_identity.items()):
+            if ident.cert is not None and not trust.usable(ident.cert.raw, now):
+                self.stats["links_cut"] += 1
+                log.warning("mesh link %s (%s, key %s…) closed: its certificate is revoked or expired",
+                            link.url, ident.cert.name, ident.fingerprint[:16])
+                self.peer_identity.pop(link, None)
+                links = self.links.get(ident.node_id)
+                if links and link in links:
+                    links.remove(link)
+                    link.abort()
+                    self._forget_link(link)
+        gone = [o for o, r in self.table.records.items()
+                if o != self.node_id and r.cert and not trust.usable(r.cert, now)]
+        if gone:
+            self.stats["records_cut"] += len(gone)
+            self.table.forget(gone)
+            self._build(self.loop.time())
+
+    def _watch_revocation_file(self) -> None:
+        if self._revocation_watch.changed():
+            rl = read_revocation_list(self.config.node.revocation_list)
+            if rl is not None:
+                self._take_revocation(rl, f"node.revocation_list {self.config.node.revocation_list}")
+
     # ------------------------------------------------------------------ liveness
 
     def _send_ping(self, link: LinkBase) -> None:
@@ -440,6 +556,10 @@ class MeshService:
                 self._send_ping(link)
                 self._report_counters(link)
         self.table.expire(now)
+        self._watch_revocation_file()
+        self._ticks += 1
+        if self._ticks % EXPIRY_CHECK_TICKS == 0:
+            self._enforce_certificates()
         self._sync()
         if self._running:
             self._tick_handle = self.loop.call_later(self.ping_interval, self._tick)
@@ -492,9 +612,9 @@ class MeshService:
     def _sync(self) -> None:
         self._sync_scheduled = False
         now = self.loop.time()
-        if self.table.dirty:
-            # While records pour in (a mesh forming, a flap), build at most once per
-            # interval: the first change after a quiet spell still builds at once.
+        if self.table.dirty or self.table.unchecked:
+            # While records pour in (a mesh forming, a flap), check and build at most once
+            # per interval: the first change after a quiet spell still builds at once.
             wait = self._last_build + self._build_interval - now
             if wait <= 0:
                 self._build(now)
@@ -504,20 +624,32 @@ class MeshService:
 
     def _build_later(self) -> None:
         self._build_timer = None
-        if self.table.dirty:
+        if self.table.dirty or self.table.unchecked:
             self._build(self.loop.time())
 
     def _build(self, now: float) -> None:
         t0 = time.perf_counter()
+        # received records are checked (signatures) here, so a burst's superseded versions
+        # are never checked, and the interval below bounds the CPU both take together
+        if self.table.settle():
+            self._schedule_sync()  # flood what was stored
         self.table.build()
         self._last_build = now
         self._build_interval = max(MIN_BUILD_INTERVAL, 10 * (time.perf_counter() - t0))
         self.table.mark_unreachable(now)
         reachable = set(self.table.hop_paths)
+        records = self.table.records
+        sessions = {o: records[o].session for o in reachable}
         if self.mux is not None:
             for gone in self._reachable - reachable:
                 self.mux.drop_peer(gone)
+            # a node that restarted (same id, new session) lost its streams: so do we
+            for o, session in sessions.items():
+                seen = self._sessions.get(o)
+                if seen is not None and seen != session and o != self.node_id:
+                    self.mux.drop_peer(o)
         self._reachable = reachable
+        self._sessions = sessions
 
     def _flood(self, now: float) -> None:
         for nid in list(self.links):
@@ -555,6 +687,8 @@ class MeshService:
                 self._on_pong(link, body)
             elif ftype == ROUTES:
                 self._on_routes(link, body)
+            elif ftype == REVOCATION:
+                self._on_revocation(link, body)
             elif ftype == ROUTE_ACK:
                 try:
                     acks = decode_acks(body)
@@ -570,6 +704,8 @@ class MeshService:
             if ftype == DATAGRAM:
                 self._on_datagram(src, body)
             elif ftype in FRAME_NAMES and self.mux is not None:
+                if ftype == STREAM_OPEN:
+                    self._remember_way_back(src, link)
                 self.mux.on_frame(ftype, flags, src, body)
             else:
                 _frames_dropped.labels("unknown_type").inc()
@@ -607,7 +743,7 @@ class MeshService:
     def _route_link(self, dst: int, flags: int) -> LinkBase | None:
         paths = self.table.lat_paths if flags & FLAG_LATENCY else self.table.hop_paths
         p = paths.get(dst)
-        if p is None and self.table.dirty:
+        if p is None and (self.table.dirty or self.table.unchecked):
             # a build is being held back (records still arriving), but someone needs
             # this route now (e.g. the reply to an OPEN from a node we just heard of)
             self._build(self.loop.time())
@@ -624,9 +760,29 @@ class MeshService:
         flags |= self.policy_flag
         link = self._route_link(dst, flags)
         if link is None:
-            return False
+            link = self._way_back(dst)
+            if link is None:
+                return False
         link.send_frame(ftype, flags, DEFAULT_HOP_LIMIT, self.node_id, dst, head, data)
         return True
+
+    def _remember_way_back(self, src: int, link: LinkBase) -> None:
+        """The link a stream OPEN from `src` came in on. An OPEN can arrive before this node
+        can route to its opener (a node that just (re)started sends it as soon as it has a
+        route, while its new record and its relay's are still on their way), so the answer
+        goes back the way the OPEN came until the routes catch up."""
+        ways = self._ways_back
+        ways.pop(src, None)
+        ways[src] = link
+        if len(ways) > self.config.limits.route_records:
+            del ways[next(iter(ways))]  # bounded: the oldest goes
+
+    def _way_back(self, dst: int) -> LinkBase | None:
+        link = self._ways_back.get(dst)
+        if link is None or link.peer is None or link not in self.links.get(link.peer.node_id, ()):
+            return None
+        self.stats["sent_way_back"] += 1
+        return link
 
     # ------------------------------------------------------------------ datagrams
 
@@ -690,6 +846,9 @@ class MeshService:
         if self.mux is None:
             raise StreamError(GENERAL_FAILURE, "mesh not started")
         stream, fut = self.mux.open(node_id, host, port)
+        # when the wait below gives up, the future still fails later (the stream's removal):
+        # retrieve that so it is not reported as an unhandled error
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             await asyncio.wait_for(asyncio.shield(fut), OPEN_TIMEOUT)
         except TimeoutError:
@@ -743,9 +902,11 @@ class MeshService:
         out = []
         for nid, links in sorted(self.links.items()):
             for link in links:
+                ident = self.peer_identity.get(link)
                 out.append({
                     "id": f"{nid:08x}",
                     "name": link.peer.name if link.peer else "",
+                    "fingerprint": ident.fingerprint[:16] if ident is not None else "",
                     "url": link.url,
                     "latency_ms": round(link.latency_us / 1000, 3),
                     "bytes_in": link.bytes_in,
@@ -778,8 +939,17 @@ class MeshService:
         return out
 
     def status(self) -> dict[str, Any]:
+        own = self.trust.own_cert
+        rl = self.trust.revocation
         return {
             "id": self.node_id_text,
+            "fingerprint": self.identity.fingerprint,
+            "identity": (
+                f"certificate {own.fingerprint[:16]}… (expires "
+                f"{time.strftime('%Y-%m-%d', time.gmtime(own.not_after))})"
+                if own is not None else "secret mode (no certificate)"
+            ),
+            "revocation_serial": rl.serial if rl is not None else None,
             "listen": ", ".join(self.listen_addrs),
             "peers": sum(len(v) for v in self.links.values()),
             "nodes": len(self.table.hop_paths),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -375,7 +376,9 @@ class StreamMux:
         self.max_per_peer = max_streams_per_peer
         self.streams: dict[StreamKey, MeshStream] = {}
         self._per_peer: dict[int, int] = {}
-        self._next_sid = 1
+        # a random first id: a restarted node (same id, new session) does not reuse the ids of
+        # its previous life's streams, which a peer may still hold until it hears of the restart
+        self._next_sid = int.from_bytes(os.urandom(4), "big") or 1
         self._opening: dict[StreamKey, asyncio.Future[MeshStream]] = {}
         # the service sets this: (stream, host, port) for an OPEN from a peer
         self.on_open: Callable[[MeshStream, str, int], None] = lambda s, h, p: s.reset(NOT_ALLOWED)

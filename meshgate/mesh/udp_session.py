@@ -173,6 +173,7 @@ class UdpSession:
         reassembly_bytes: int = 1 << 20,
         reassembly_timeout: float = 0.5,
         fragment: bool = True,
+        static: bytes | None = None,
     ) -> None:
         if payload < DATA_OVERHEAD + ACK.size + SEG.size + FRAME.size + 64:
             raise ValueError(f"UDP payload of {payload} bytes is too small for a link")
@@ -189,8 +190,10 @@ class UdpSession:
         self.max_retransmits = max_retransmits
         self.on_established = on_established
         self._hs: HandshakeState | None = HandshakeState(
-            NOISE_PATTERN, initiator, prologue(network), s=generate_private(), psks=(psk,)
+            NOISE_PATTERN, initiator, prologue(network), s=static or generate_private(), psks=(psk,)
         )
+        self.remote_static = b""  # the peer's Noise static key, once the handshake is done
+        self.handshake_hash = b""
         self.send: SendCipher | None = None
         self.recv: RecvCipher | None = None
         self.confirmed = not initiator  # initiator: a sealed packet from the responder arrived
@@ -348,6 +351,8 @@ class UdpSession:
         send_key, recv_key = (i2r.k, r2i.k) if self.initiator else (r2i.k, i2r.k)
         self.send = SendCipher(send_key)
         self.recv = RecvCipher(recv_key)
+        self.remote_static = hs.rs or b""
+        self.handshake_hash = hs.handshake_hash
         self._hs = None
         if self.on_established is not None:
             self.on_established()

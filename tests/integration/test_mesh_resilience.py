@@ -10,7 +10,7 @@ from meshgate.mesh.link_ring import RingTransport
 from meshgate.mesh.service import MeshService
 from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
-from tests.mesh_testing import converged, node_config, ring_name, start_node, stop_all
+from tests.mesh_testing import Collector, converged, node_config, ring_name, start_node, stop_all
 
 ip = ipaddress.ip_address
 
@@ -139,11 +139,9 @@ async def test_restarted_node_resyncs_fully() -> None:
         old_session = a.table.records[c1.node_id].session
         await c1.stop()
         await async_wait_until(lambda: a.lookup(ip("10.9.0.3")) is None, 10, "c gone")
-        # same node id, new session, new address.
-        # LITERAL ID ON PURPOSE: the restarted node keeps c1's id, so it is made directly
-        # (start_node would give it a fresh one).
-        c2 = MeshService(node_config("c", "10.9.0.33/24", peers=[f"ring://{r}"]), node_id=c1.node_id)
-        await c2.start()
+        # the same node (its key, so its id), a new session and a new address: made directly
+        # with c1's identity (start_node would give it a fresh one)
+        c2 = await start_node(node_config("c", "10.9.0.33/24", peers=[f"ring://{r}"]), c1.identity)
         try:
             await async_wait_until(lambda: converged([a, c2]), 10, "second life")
             assert c2.node_id == c1.node_id
@@ -268,3 +266,35 @@ async def test_two_links_to_one_neighbour_survive_losing_one() -> None:
         await async_wait_until(lambda: got == [b"via the other link"], 5, "datagram")
     finally:
         await stop_all([a, b])
+
+
+async def test_an_open_is_answered_the_way_it_came_before_the_routes_catch_up() -> None:
+    """A node that just (re)started opens a stream as soon as it has a route; the destination
+    may not route back to it yet (its new record is still on its way): the ACCEPT goes back
+    over the link the OPEN came in on."""
+    served: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served.append(b"x")
+        writer.write(b"hello")
+        await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    r1, r2 = ring_name(), ring_name()
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=[f"ring://{r1}", f"ring://{r2}"]))
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[f"ring://{r1}"]))
+    c = await start_node(node_config("c", "10.9.0.3/24", peers=[f"ring://{r2}"]))
+    nodes = [a, b, c]
+    try:
+        await async_wait_until(lambda: converged(nodes), 10, "routes")
+        c.table.forget([a.node_id])  # c has not heard of a (yet)
+        c.table.build()
+        assert c.table.path(a.node_id) is None
+        _, proto = await a.open_stream(c.node_id, "127.0.0.1", port, Collector)
+        assert await asyncio.wait_for(proto.done, 10) == b"hello"  # type: ignore[attr-defined]
+        assert c.stats["sent_way_back"] >= 1
+    finally:
+        srv.close()
+        await stop_all(nodes)

@@ -129,9 +129,11 @@ async def test_udp_link_comes_back_after_the_peer_restarts() -> None:
         await async_wait_until(lambda: converged([a, b]), 10, "first link")
         await b.stop()  # says CLOSE: a drops the link at once, not at its dead timer
         await async_wait_until(lambda: not a.links, 5, "link down on a")
-        b = await start_node(
-            node_config("b", "10.9.0.2/24", listen=[f"udp://127.0.0.1:{port}"], limits=limits),
-        )
+        # the same node again (its identity, so its id), on the same port
+        old_id = b.node_id
+        again = node_config("b", "10.9.0.2/24", listen=[f"udp://127.0.0.1:{port}"], limits=limits)
+        b = await start_node(again, b.identity)
+        assert b.node_id == old_id
         await async_wait_until(lambda: converged([a, b]), 15, "link re-established")
         srv, sport = await _sha_server()
         try:

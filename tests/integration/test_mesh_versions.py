@@ -29,8 +29,8 @@ async def test_a_version_1_peer_gets_our_preface_a_close_and_a_warning(
                 lambda: node.stats["handshake_failed_bad_version"] == before + 1, 10, "the refusal counted"
             )
         assert answer == PREFACE  # our version, and nothing else: no handshake message
-        assert answer[4] == 2
-        assert any("peer speaks protocol version 1, this node 2" in r.getMessage() for r in caplog.records)
+        assert answer[4] == 3
+        assert any("peer speaks protocol version 1, this node 3" in r.getMessage() for r in caplog.records)
         assert node.links == {}
     finally:
         await stop_all([node])

@@ -102,7 +102,7 @@ stream_windw = 5
     assert "positive" in found["socks5.max_clients"]
     assert "not one of" in found["dns.listener[0].protocol"]
     assert "did you mean 'stream_window'" in found["limits.stream_windw"]
-    assert "secret is required" in found["node.secret"]
+    assert "is required when mesh.listen" in found["node.secret"]
 
 
 def test_port_clash_and_types(tmp_path: Path) -> None:

@@ -32,7 +32,9 @@ def _codec(
         got.append((t, f, h, s, d, bytes(body)))
 
     hello = Hello(1 if initiator else 2, 7, "a" if initiator else "b")
-    return LinkCodec(initiator, network, derive_psk(network, secret), on_frame, hello=hello, **kw)
+    # the mesh signs its HELLO for each handshake; the codec only sends what it is given
+    return LinkCodec(initiator, network, derive_psk(network, secret), on_frame,
+                     hello=lambda hs_hash, _initiator: encode_hello(hello), **kw)
 
 
 def _pump(a: LinkCodec, b: LinkCodec) -> None:
@@ -192,20 +194,20 @@ def test_psk_is_argon2id_as_the_reference_implementation_computes_it() -> None:
 
 
 def test_a_peer_on_another_protocol_version_is_told_ours() -> None:
-    # An old (version 1) initiator gets our preface back before the link closes, so both sides
+    # An old (version 1 or 2) initiator gets our preface back before the link closes, so both sides
     # can log the two versions instead of one side waiting on a handshake that never comes.
     responder = _codec(False, [])
     with pytest.raises(LinkError) as e:
         responder.receive(PREFACE[:4] + bytes([1, 0]) + b"\x00\x20" + bytes(32))
     assert e.value.reason == "bad_version"
-    assert "peer speaks protocol version 1, this node 2" in str(e.value)
-    assert responder.data_to_send() == [PREFACE] and PREFACE[4] == 2
+    assert "peer speaks protocol version 1, this node 3" in str(e.value)
+    assert responder.data_to_send() == [PREFACE] and PREFACE[4] == 3
     # an initiator that meets another version sends nothing more
     initiator = _codec(True, [])
     initiator.start()
     initiator.data_to_send()
     with pytest.raises(LinkError):
-        initiator.receive(PREFACE[:4] + bytes([3, 0]))
+        initiator.receive(PREFACE[:4] + bytes([2, 0]))
     assert initiator.data_to_send() == []
 
 
