@@ -261,6 +261,8 @@ class LimitsConfig:
     socks5_write_high_water: int = 1 << 20
     stream_window: int = 1048576  # 1 MiB: 256 KiB stalled 4-process pipelines on 2 cores (bench/portal.py)
     max_streams_per_peer: int = 4096
+    e2e_sessions: int = 1024  # end-to-end sessions (node pairs) held; the least recently used goes
+    e2e_queue_bytes: int = 1 << 20  # bytes queued for one node while its session is set up
     max_peers: int = 256
     max_pending_handshakes: int = 64
     handshake_timeout: float = 5.0

@@ -307,4 +307,6 @@ class Node:
         }
         if self.mesh is not None:
             out["id"] = self.mesh.node_id_text
+            out["fingerprint"] = self.mesh.identity.fingerprint
+            out["identity"] = self.mesh.identity_text()
         return out

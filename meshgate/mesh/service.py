@@ -26,9 +26,13 @@ from meshgate.errors import StartupError, bind_error
 from meshgate.logs import RateLimitedLog
 from meshgate.mesh import certs
 from meshgate.mesh.certs import CertError
+from meshgate.mesh.e2e import SEAL_OVERHEAD, E2e, E2eError
 from meshgate.mesh.frames import (
     DATAGRAM,
+    DATAGRAM_SEALED,
     DEFAULT_HOP_LIMIT,
+    E2E_INIT,
+    E2E_RESP,
     FLAG_LATENCY,
     FRAME_NAMES,
     LINK_LOCAL,
@@ -38,9 +42,12 @@ from meshgate.mesh.frames import (
     REVOCATION,
     ROUTE_ACK,
     ROUTES,
+    SEALED,
     STREAM_OPEN,
     STREAM_RESET,
     U64,
+    UNREACHABLE,
+    UNRELIABLE,
     Hello,
     derive_psk,
     encode_hello,
@@ -80,6 +87,7 @@ _rlog = RateLimitedLog(log)
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 DatagramCallback = Callable[[int, bytes], None]
 CHANNEL = struct.Struct("!H")
+UNREACH = struct.Struct("!IB")  # UNREACHABLE body: the destination a relay could not reach, code
 
 _handshakes = REGISTRY.counter("meshgate_mesh_handshakes_total", "Link handshakes", ("result",))
 _links_gauge = REGISTRY.gauge("meshgate_mesh_links", "Established mesh links")
@@ -92,6 +100,9 @@ _link_bytes = REGISTRY.counter(
 )
 _datagrams = REGISTRY.counter("meshgate_mesh_datagrams_total", "Mesh datagrams", ("result",))
 _forwarded = REGISTRY.counter("meshgate_mesh_frames_forwarded_total", "Frames relayed for other nodes")
+_e2e_dropped = REGISTRY.counter(
+    "meshgate_mesh_e2e_dropped_total", "End-to-end frames and session set-ups dropped", ("reason",)
+)
 
 OPEN_TIMEOUT = 10.0
 EXPIRY_CHECK_TICKS = 10  # ping intervals between checks for certificates that expired
@@ -145,6 +156,10 @@ class MeshService:
         self._own_cert_raw = own_cert.raw if own_cert is not None else b""
         self._revocation_watch = FileWatch(config.node.revocation_list)
         self.peer_identity: dict[LinkBase, PeerIdentity] = {}
+        self.e2e = E2e(
+            identity, self.network, self._own_cert_raw, self._check_e2e_peer,
+            max_sessions=limits.e2e_sessions, queue_bytes=limits.e2e_queue_bytes,
+        )
         self.handshake_timeout = limits.handshake_timeout
         self.ping_interval = limits.mesh_ping_interval
         self.dead_after = limits.mesh_dead_after
@@ -643,11 +658,13 @@ class MeshService:
         if self.mux is not None:
             for gone in self._reachable - reachable:
                 self.mux.drop_peer(gone)
+                self.e2e.drop(gone)
             # a node that restarted (same id, new session) lost its streams: so do we
             for o, session in sessions.items():
                 seen = self._sessions.get(o)
                 if seen is not None and seen != session and o != self.node_id:
                     self.mux.drop_peer(o)
+                    self.e2e.drop(o)
         self._reachable = reachable
         self._sessions = sessions
 
@@ -701,15 +718,7 @@ class MeshService:
                 _frames_dropped.labels("unexpected_hello").inc()
             return
         if dst == self.node_id:
-            if ftype == DATAGRAM:
-                self._on_datagram(src, body)
-            elif ftype in FRAME_NAMES and self.mux is not None:
-                if ftype == STREAM_OPEN:
-                    self._remember_way_back(src, link)
-                self.mux.on_frame(ftype, flags, src, body)
-            else:
-                _frames_dropped.labels("unknown_type").inc()
-                _rlog.debug(f"type:{link.url}", "unknown frame type %d from %s", ftype, link.url)
+            self._deliver(link, ftype, flags, src, body)
             return
         # a frame for another node: relay it
         if hop <= 1:
@@ -724,21 +733,116 @@ class MeshService:
             _rlog.debug(f"noroute:{dst}", "no route to %08x for a frame from %08x", dst, src)
             self._refuse_relayed_open(ftype, src, dst, body, NETWORK_UNREACHABLE)
             return
-        if ftype == DATAGRAM and out.buffered() > self.link_buffer:
+        if ftype in UNRELIABLE and out.buffered() > self.link_buffer:
             _datagrams.labels("dropped_congested").inc()
             return
         _forwarded.inc()
         out.send_frame(ftype, flags, hop - 1, src, dst, body)
 
     def _refuse_relayed_open(self, ftype: int, src: int, dst: int, body: memoryview, code: int) -> None:
-        """A relay that cannot deliver an OPEN answers for the destination, so the
-        opener's stream (keyed by the destination's id) fails now instead of timing out."""
-        if ftype != STREAM_OPEN or len(body) < 4:
-            return
+        """A relay that cannot deliver a stream frame or a session set-up says so to its
+        source, so the opener's streams to `dst` fail now instead of timing out. The relay
+        cannot see which frame it was (sealed), so the source fails only streams still
+        opening; an unsealed OPEN gets the STREAM_RESET it always did."""
         back = self._route_link(src, 0)
-        if back is not None:
+        if back is None:
+            return
+        if ftype == STREAM_OPEN and len(body) >= 4:
             sid = struct.unpack_from("!I", body)[0]
             back.send_frame(STREAM_RESET, 0, DEFAULT_HOP_LIMIT, dst, src, RESET.pack(sid, code))
+        elif ftype in (SEALED, E2E_INIT):
+            back.send_frame(UNREACHABLE, 0, DEFAULT_HOP_LIMIT, self.node_id, src, UNREACH.pack(dst, code))
+
+    # ------------------------------------------------------------------ end to end
+
+    def _deliver(self, link: LinkBase, ftype: int, flags: int, src: int, body: memoryview) -> None:
+        """A frame for this node. Sealed ones are opened with the session with `src` (so `src`
+        is authenticated); unsealed end-to-end frames are taken only from a link to `src`
+        itself, whose HELLO proved who it is: a relay cannot speak in another node's name."""
+        assert link.peer is not None
+        if ftype in (SEALED, DATAGRAM_SEALED):
+            try:
+                ftype, flags, plain = self.e2e.open(src, body, ftype == DATAGRAM_SEALED)
+            except E2eError as e:
+                self._e2e_drop(e.reason, src, link)
+                return
+            body = memoryview(plain)
+        elif ftype == E2E_INIT:
+            self._on_e2e_init(link, src, body)
+            return
+        elif ftype == E2E_RESP:
+            self._on_e2e_resp(link, src, body)
+            return
+        elif ftype == UNREACHABLE:
+            if len(body) == UNREACH.size and self.mux is not None:
+                dst, code = UNREACH.unpack(body)
+                self.mux.fail_opening(dst, code)
+            return
+        elif link.peer.node_id != src:
+            if ftype == STREAM_RESET and self.mux is not None:
+                self.mux.relay_refusal(src, body)  # a relay refusing an OPEN it could not deliver
+                return
+            self._e2e_drop("unsealed_relayed", src, link)
+            return
+        if ftype == DATAGRAM:
+            self._on_datagram(src, body)
+        elif ftype in FRAME_NAMES and self.mux is not None:
+            if ftype == STREAM_OPEN:
+                self._remember_way_back(src, link)
+            self.mux.on_frame(ftype, flags, src, body)
+        else:
+            _frames_dropped.labels("unknown_type").inc()
+            _rlog.debug(f"type:{link.url}", "unknown frame type %d from %s", ftype, link.url)
+
+    def _e2e_drop(self, reason: str, src: int, link: LinkBase) -> None:
+        _e2e_dropped.labels(reason).inc()
+        self.stats[f"e2e_dropped_{reason}"] += 1
+        _rlog.debug(f"e2e:{reason}:{src}", "end-to-end frame from %08x (via %s) dropped: %s",
+                    src, link.url, reason)
+
+    def _on_e2e_init(self, link: LinkBase, src: int, body: memoryview) -> None:
+        try:
+            resp, flush = self.e2e.on_init(src, bytes(body), self.loop.time())
+        except E2eError as e:
+            self._e2e_drop(e.reason, src, link)
+            return
+        if resp is None:
+            return
+        self._remember_way_back(src, link)
+        self._send_e2e(src, [(E2E_RESP, resp), *flush])
+
+    def _on_e2e_resp(self, link: LinkBase, src: int, body: memoryview) -> None:
+        try:
+            flush = self.e2e.on_resp(src, bytes(body))
+        except E2eError as e:
+            self._e2e_drop(e.reason, src, link)
+            return
+        self._send_e2e(src, flush)
+
+    def _send_e2e(self, dst: int, frames: list[tuple[int, bytes]]) -> None:
+        out = self._route_link(dst, self.policy_flag) or self._way_back(dst)
+        if out is None:
+            return
+        for otype, obody in frames:
+            out.send_frame(otype, self.policy_flag, DEFAULT_HOP_LIMIT, self.node_id, dst, obody)
+
+    def _check_e2e_peer(self, src: int, public: bytes, cert: bytes) -> str | None:
+        held = self.table.records.get(src)
+        return self.trust.check_e2e_peer(public, cert, held.key if held is not None else b"", time.time())
+
+    def _send_sealed(
+        self, link: LinkBase, dst: int, ftype: int, flags: int, body: bytes, datagram: bool
+    ) -> bool:
+        """Seal a frame for `dst` (relayed: the next hop is not `dst`)."""
+        rec = self.table.records.get(dst)
+        static = rec.key[32:] if rec is not None and len(rec.key) == 64 else b""
+        if not static and dst not in self.e2e.sessions:
+            return False
+        frames, _ = self.e2e.seal(dst, static, ftype, flags, body, self.loop.time(), datagram)
+        outer = flags & FLAG_LATENCY
+        for otype, obody in frames:
+            link.send_frame(otype, outer, DEFAULT_HOP_LIMIT, self.node_id, dst, obody)
+        return True
 
     def _route_link(self, dst: int, flags: int) -> LinkBase | None:
         paths = self.table.lat_paths if flags & FLAG_LATENCY else self.table.hop_paths
@@ -763,6 +867,9 @@ class MeshService:
             link = self._way_back(dst)
             if link is None:
                 return False
+        assert link.peer is not None
+        if link.peer.node_id != dst:  # relayed: sealed end to end
+            return self._send_sealed(link, dst, ftype, flags, bytes(head) + bytes(data), False)
         link.send_frame(ftype, flags, DEFAULT_HOP_LIMIT, self.node_id, dst, head, data)
         return True
 
@@ -800,6 +907,9 @@ class MeshService:
             _datagrams.labels("dropped_congested").inc()
             return False
         head = CHANNEL.pack(channel)
+        assert link.peer is not None
+        if link.peer.node_id != node_id:  # relayed: sealed end to end
+            return self._send_sealed(link, node_id, DATAGRAM, flags, head + bytes(payload), True)
         link.send_frame(DATAGRAM, flags, DEFAULT_HOP_LIMIT, self.node_id, node_id, head, payload)
         return True
 
@@ -809,6 +919,8 @@ class MeshService:
         it whole): the TUN path bundles packets up to this."""
         link = self._route_link(node_id, self.policy_flag)
         room = link.datagram_room() if link is not None else MAX_BODY
+        if link is not None and link.peer is not None and link.peer.node_id != node_id:
+            room -= SEAL_OVERHEAD  # relayed: sealed end to end
         return room - CHANNEL.size
 
     def on_datagram(self, channel: int, callback: DatagramCallback) -> None:
@@ -938,17 +1050,22 @@ class MeshService:
             })
         return out
 
-    def status(self) -> dict[str, Any]:
+    def identity_text(self) -> str:
+        """The mode in words, for `meshgate status`."""
         own = self.trust.own_cert
+        if own is None:
+            return "secret mode (no certificate)"
+        expires = time.strftime("%Y-%m-%d", time.gmtime(own.not_after))
+        rl = self.trust.revocation
+        serial = f", revocation list serial {rl.serial}" if rl is not None else ""
+        return f"certificate {own.fingerprint[:16]}… (expires {expires}{serial})"
+
+    def status(self) -> dict[str, Any]:
         rl = self.trust.revocation
         return {
             "id": self.node_id_text,
             "fingerprint": self.identity.fingerprint,
-            "identity": (
-                f"certificate {own.fingerprint[:16]}… (expires "
-                f"{time.strftime('%Y-%m-%d', time.gmtime(own.not_after))})"
-                if own is not None else "secret mode (no certificate)"
-            ),
+            "identity": self.identity_text(),
             "revocation_serial": rl.serial if rl is not None else None,
             "listen": ", ".join(self.listen_addrs),
             "peers": sum(len(v) for v in self.links.values()),

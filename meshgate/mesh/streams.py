@@ -28,6 +28,7 @@ from typing import Any
 
 from meshgate import replies
 from meshgate.logs import RateLimitedLog
+from meshgate.mesh.e2e import SEAL_OVERHEAD
 from meshgate.mesh.frames import (
     FLAG_OPENER,
     MAX_BODY,
@@ -48,7 +49,9 @@ _rlog = RateLimitedLog(log)
 CODE_NAMES = replies.WORDS
 
 SID_SIZE = 4
-MAX_DATA = MAX_BODY - SID_SIZE  # payload per DATA frame: one frame fills one sealed record
+# payload per DATA frame: one frame fills one sealed link record, with room for the end-to-end
+# seal a relayed frame gets (mesh/e2e.py)
+MAX_DATA = MAX_BODY - SID_SIZE - SEAL_OVERHEAD
 
 OPEN = struct.Struct("!IIHB")  # sid, window, port, host length; then host
 ACCEPT = struct.Struct("!II")  # sid, window
@@ -499,6 +502,29 @@ class StreamMux:
                 self.send(STREAM_RESET, 0, src, RESET.pack(sid, GENERAL_FAILURE), b"")
                 return
             self.on_open(new, host, port)
+
+    def fail_opening(self, peer: int, code: int) -> None:
+        """A relay could not deliver to `peer`: streams still opening to it fail with `code`
+        (it cannot say which one, as the OPEN was sealed; established streams are untouched)."""
+        for key in [k for k in self._opening if k[0] == peer]:
+            stream = self.streams.get(key)
+            fut = self._opening.pop(key)
+            if not fut.done():
+                fut.set_exception(StreamError(code))
+            if stream is not None:
+                stream.closed = True
+                self.remove(stream)
+            _streams_total.labels("open", CODE_NAMES.get(code, "error")).inc()
+
+    def relay_refusal(self, peer: int, body: memoryview) -> None:
+        """A STREAM_RESET a relay sent in `peer`'s name for an OPEN it could not deliver: taken
+        for a stream still opening only (a relay cannot reset an established stream)."""
+        if len(body) < RESET.size:
+            return
+        sid = RESET.unpack_from(body)[0]
+        key = (peer, sid, True)
+        if key in self._opening:
+            self.on_frame(STREAM_RESET, 0, peer, body)
 
     def drop_peer(self, peer: int, code: int = NETWORK_UNREACHABLE) -> None:
         """The node became unreachable: every stream with it is reset locally."""

@@ -111,6 +111,23 @@ class Trust:
                 return "wrong_key"
         return PeerIdentity(hello.node_id, hashlib.sha256(key).hexdigest(), cert)
 
+    def check_e2e_peer(self, public: bytes, cert: bytes, held_key: bytes, now: float) -> str | None:
+        """The initiator of an end-to-end session (its key proven by the Noise handshake, its id
+        already checked against that key): key_changed (not the key its record carries), or in
+        certificate mode no_certificate, wrong_key or a certificate's reason."""
+        if held_key and held_key != public:
+            return "key_changed"
+        if self.certificate_mode and (cert or self.require):
+            if not cert:
+                return "no_certificate"
+            try:
+                c = self.certificate(cert, int(now))
+            except CertError as e:
+                return e.reason
+            if c.public != public:
+                return "wrong_key"
+        return None
+
     # ------------------------------------------------------------ route records
 
     def check_record(self, rec: Record, held: Record | None, now: float) -> str | None:

@@ -50,12 +50,12 @@ from collections.abc import Callable
 from typing import Any
 
 from meshgate.mesh.frames import (
-    DATAGRAM,
     FRAME,
     MAGIC,
     NOISE_PATTERN,
     RECORD,
     TAG,
+    UNRELIABLE,
     VERSION,
     FrameHandler,
     LinkError,
@@ -538,7 +538,7 @@ class UdpSession:
             self.frag_malformed += 1
             return
         ftype, flags, hop, length, src, dst = FRAME.unpack_from(frame)
-        if ftype != DATAGRAM or FRAME.size + length != len(frame):
+        if ftype not in UNRELIABLE or FRAME.size + length != len(frame):
             self.frag_malformed += 1
             return
         self.reassembled += 1
@@ -708,7 +708,7 @@ class UdpSession:
         DFRAG pieces), anything else on the reliable channel."""
         n = len(head) + len(data)
         whole = FRAME.size + n + DGRAM.size + ACK.size <= self.plain_room  # one DGRAM chunk
-        if ftype == DATAGRAM and (whole or FRAME.size + n <= self.dfrag_max):
+        if ftype in UNRELIABLE and (whole or FRAME.size + n <= self.dfrag_max):
             frame = b"".join((FRAME.pack(ftype, flags, hop, n, src, dst), head, data))
             if whole:
                 self._dgrams.append(frame)

@@ -16,20 +16,39 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from meshgate.mesh.identity import load_or_create
 from tests.helpers import require_root, require_tool, wait_until
+from tests.identity_testing import TestCA
 from tests.system.tun_topology import SECRET, Topology
 
 PORT = 8080
 C_VIP = "10.144.7.3"
 
 
+# certificate mode: what each node's certificate grants (C: the CIDRs and the exit of
+# C_MESH_EXIT, and the catch-all the catch-all test advertises)
+GRANTS: dict[str, dict[str, Any]] = {
+    "c": {"cidrs": ("10.1.2.0/24", "10.1.2.0/24->10.2.2.0/24", "0.0.0.0/0"), "exit": True},
+}
+CAS: dict[Path, TestCA] = {}  # workdir -> the network's CA, in certificate mode
+
+
 def node_toml(role: str, workdir: Path, vip: str, mesh: str, extra: str = "") -> None:
+    state = workdir / ("state-" + role)
+    ca = CAS.get(workdir)
+    if ca is None:
+        who = f'secret = "{SECRET}"\n'
+    else:  # no secret at all: the certificates are the only lock
+        path = ca.issue(role, load_or_create(state), f"{vip}/24", **GRANTS.get(role, {}))
+        keys = ca.node_keys(path)
+        who = f'certificate = "{keys["certificate"]}"\nca = "{keys["ca"]}"\n'
     (workdir / f"{role}.toml").write_text(
-        f'[node]\nname = "{role}"\nnetwork = "portaltest"\nsecret = "{SECRET}"\nipv4 = "{vip}/24"\n'
-        f'state_dir = "{workdir / ("state-" + role)}"\n[mesh]\n{mesh}\n'
+        f'[node]\nname = "{role}"\nnetwork = "portaltest"\n{who}ipv4 = "{vip}/24"\n'
+        f'state_dir = "{state}"\n[mesh]\n{mesh}\n'
         f'[admin]\nlisten = "127.0.0.1:15888"\n{extra}\n'
     )
 
@@ -41,14 +60,18 @@ C_MESH_EXIT = ('peers = ["tcp://172.31.2.2:11010"]\nexit_node = true\n'
 C_EXTRA = PORTAL + '[dns]\nrecords = { "inet.test." = "198.51.100.10", "sneaky.test." = "172.31.2.2" }\n'
 
 
-@pytest.fixture(scope="module")
-def topo() -> Iterator[Topology]:
+@pytest.fixture(scope="module", params=["secret", "certificate"])
+def topo(request: pytest.FixtureRequest) -> Iterator[Topology]:
+    """The topology, once with a network secret and once in certificate mode (every node with
+    a certificate of one CA and no secret): the portal reaches the same things either way."""
     require_root()
     require_tool("ip")
     require_tool("curl")
     require_tool("ss")
     require_tool("sysctl")  # Topology.build runs it in each namespace
     workdir = Path(tempfile.mkdtemp(prefix="portal-netns-"))
+    if request.param == "certificate":
+        CAS[workdir] = TestCA(workdir, network="portaltest")
     t = Topology(prefix=f"mgp{int(time.time()) % 100000}", workdir=workdir)
     try:
         t.build()

@@ -1,0 +1,274 @@
+"""Sans-I/O end-to-end sessions: traffic sealed between the two nodes that terminate it.
+
+Links are sealed hop by hop; a relay opens each link record and would see the frames it
+forwards. Between the source and the destination of relayed traffic this layer runs its
+own Noise handshake, `Noise_IK_25519_ChaChaPoly_SHA256` with the nodes' persistent static
+keys (identity.py): the initiator knows the responder's key from its signed route record,
+the responder learns the initiator's from message 1 and checks it owns the frame's source
+id (and, in certificate mode, its certificate). Stream frames and datagrams are then sealed
+with that session's keys (frames.SendCipher / RecvCipher: explicit counters, a replay
+window, REKEY every `rekey_after` records), so a relay can neither read, change, replay nor
+forge them; it sees sizes and timing (docs/PROTOCOL.md section 11).
+
+One session per node pair and process start (both ends' sessions), set up by whichever
+sends first; bounded (`max_sessions`, least recently used evicted) with a bounded queue of
+frames waiting for the handshake. Where the next hop is the destination itself the frame
+goes unsealed: the link is already sealed between exactly those two nodes and its peer was
+authenticated by its HELLO, so sealing again would buy nothing (measured in bench/mesh.py).
+
+No sockets, no clock: callers pass `now`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from meshgate.mesh.frames import (
+    DATAGRAM,
+    DATAGRAM_SEALED,
+    E2E_INIT,
+    RECORD,
+    SEALED,
+    TAG,
+    VERSION,
+    RecvCipher,
+    SendCipher,
+)
+from meshgate.mesh.identity import Identity, node_id_of
+from meshgate.mesh.noise import HandshakeState, NoiseError
+
+PATTERN = "IK"
+PROLOGUE = b"meshgate e2e|" + bytes((VERSION,)) + b"|"
+INDEX = struct.Struct("!I")
+RESP_HEAD = struct.Struct("!II")  # initiator's index, responder's index
+INNER = struct.Struct("!BB")  # sealed stream frame: inner type, inner flags
+# what sealing adds to a frame body: receiver index, record header, tag (and the inner type and
+# flags of a stream frame)
+SEAL_OVERHEAD = INDEX.size + RECORD.size + TAG + INNER.size
+HANDSHAKE_RESEND = 1.0  # seconds before message 1 goes again (lost, or no route yet)
+HANDSHAKE_GIVE_UP = 10.0  # and before the queued frames are dropped
+
+
+class E2eError(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason  # a counter label
+
+
+# (frame type, flags, body) queued for a peer while its session is set up
+Queued = tuple[int, int, bytes]
+# checks the initiator's public key (and certificate) for its claimed node id: None or a reason
+PeerCheck = Callable[[int, bytes, bytes], str | None]
+
+
+@dataclass
+class Session:
+    peer: int
+    index: int  # ours: the peer puts it in front of what it seals for us
+    initiator: bool
+    hs: HandshakeState | None = None
+    msg1: bytes = b""  # initiator: the message 1 to resend; responder: the one answered
+    msg2: bytes = b""  # responder: the answer, resent when message 1 comes again
+    peer_index: int = 0
+    send: SendCipher | None = None
+    recv: RecvCipher | None = None
+    queue: collections.deque[Queued] = field(default_factory=collections.deque)
+    queued_bytes: int = 0
+    started: float = 0.0
+    sent_init: float = 0.0
+
+    @property
+    def established(self) -> bool:
+        return self.send is not None
+
+
+class E2e:
+    """Every end-to-end session of one node."""
+
+    def __init__(
+        self, identity: Identity, network: str, cert: bytes, check_peer: PeerCheck,
+        max_sessions: int = 1024, queue_bytes: int = 1 << 20, rekey_after: int = 1 << 30,
+    ) -> None:
+        self.identity = identity
+        self.prologue = PROLOGUE + network.encode()
+        self.cert = cert
+        self.check_peer = check_peer
+        self.max_sessions = max_sessions
+        self.queue_bytes = queue_bytes
+        self.rekey_after = rekey_after
+        # peer -> session, least recently used first
+        self.sessions: collections.OrderedDict[int, Session] = collections.OrderedDict()
+        self.by_index: dict[int, Session] = {}
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    # ------------------------------------------------------------------ sessions
+
+    def _new_index(self) -> int:
+        while True:
+            i = int.from_bytes(os.urandom(4), "big")
+            if i and i not in self.by_index:
+                return i
+
+    def _add(self, s: Session) -> None:
+        old = self.sessions.pop(s.peer, None)
+        if old is not None:
+            self.by_index.pop(old.index, None)
+        while len(self.sessions) >= self.max_sessions:
+            _, evicted = self.sessions.popitem(last=False)
+            self.by_index.pop(evicted.index, None)
+            self.counts["evicted"] += 1
+        self.sessions[s.peer] = s
+        self.by_index[s.index] = s
+
+    def drop(self, peer: int) -> None:
+        """Forget the session with `peer` (it restarted, or became unreachable)."""
+        s = self.sessions.pop(peer, None)
+        if s is not None:
+            self.by_index.pop(s.index, None)
+
+    def _touch(self, s: Session) -> None:
+        self.sessions.move_to_end(s.peer)
+
+    # ------------------------------------------------------------------ sending
+
+    def seal(
+        self, peer: int, peer_static: bytes, ftype: int, flags: int, body: bytes, now: float, datagram: bool
+    ) -> tuple[list[tuple[int, bytes]], bool]:
+        """What to send to `peer` for one frame: ([(outer type, body), ...], queued?). With no
+        session yet the frame waits (bounded) and an E2E_INIT goes instead; a datagram that does
+        not fit the queue is dropped (counted), a stream frame never is until the session fails."""
+        s = self.sessions.get(peer)
+        out: list[tuple[int, bytes]] = []
+        if s is None:
+            s = self._initiate(peer, peer_static, now)
+            out.append((E2E_INIT, self._init_body(s)))
+        if not s.established:
+            if datagram and s.queued_bytes + len(body) > self.queue_bytes:
+                self.counts["queue_full"] += 1
+                return out, False
+            s.queue.append((ftype, flags, body))
+            s.queued_bytes += len(body)
+            if not out and s.initiator and now - s.sent_init >= HANDSHAKE_RESEND:
+                if now - s.started >= HANDSHAKE_GIVE_UP:
+                    self.counts["handshake_timeout"] += len(s.queue)
+                    self.drop(peer)
+                    return out, False
+                s.sent_init = now
+                out.append((E2E_INIT, self._init_body(s)))
+            return out, True
+        self._touch(s)
+        out.append(self._sealed(s, ftype, flags, body, datagram))
+        return out, False
+
+    def _sealed(self, s: Session, ftype: int, flags: int, body: bytes, datagram: bool) -> tuple[int, bytes]:
+        assert s.send is not None
+        plain = body if datagram else INNER.pack(ftype, flags) + body
+        header, ct = s.send.seal(plain)
+        return (DATAGRAM_SEALED if datagram else SEALED), INDEX.pack(s.peer_index) + header + ct
+
+    def _initiate(self, peer: int, peer_static: bytes, now: float) -> Session:
+        s = Session(peer, self._new_index(), True, started=now, sent_init=now)
+        s.hs = HandshakeState(PATTERN, True, self.prologue, s=self.identity.dh_private, rs=peer_static)
+        # message 1 carries what the responder needs to know who we are: the signing half of
+        # our public key (the Noise half is in the message) and our certificate
+        payload = self.identity.signing_public + len(self.cert).to_bytes(2, "big") + self.cert
+        s.msg1 = s.hs.write_message(payload)
+        self._add(s)
+        self.counts["initiated"] += 1
+        return s
+
+    def _init_body(self, s: Session) -> bytes:
+        return INDEX.pack(s.index) + s.msg1
+
+    # ------------------------------------------------------------------ receiving
+
+    def on_init(self, src: int, body: bytes, now: float) -> tuple[bytes | None, list[tuple[int, bytes]]]:
+        """Message 1 from `src`: (our E2E_RESP body or None, frames now sealed for `src`).
+        Raises E2eError(reason) when it must be dropped (counted by the caller)."""
+        if len(body) < INDEX.size:
+            raise E2eError("malformed")
+        peer_index = INDEX.unpack_from(body)[0]
+        msg1 = bytes(body[INDEX.size:])
+        mine = self.sessions.get(src)
+        if mine is not None and not mine.initiator and mine.msg1 == msg1:
+            return self._resp_body(mine), []  # message 1 again: our answer was lost
+        if mine is not None and mine.initiator and not mine.established and self.identity.node_id < src:
+            # both sides began at once: the lower id's handshake goes on, the other is dropped
+            self.counts["crossed"] += 1
+            return None, []
+        hs = HandshakeState(PATTERN, False, self.prologue, s=self.identity.dh_private)
+        try:
+            payload = hs.read_message(msg1)
+        except NoiseError:
+            raise E2eError("handshake") from None
+        if len(payload) < 34:
+            raise E2eError("malformed")
+        public = payload[:32] + (hs.rs or b"")
+        clen = int.from_bytes(payload[32:34], "big")
+        cert = payload[34:]
+        if len(cert) != clen:
+            raise E2eError("malformed")
+        if node_id_of(public) != src:
+            raise E2eError("bad_node_id")  # the key does not own the source id it came from
+        reason = self.check_peer(src, public, cert)
+        if reason is not None:
+            raise E2eError(reason)
+        s = Session(src, self._new_index(), False, msg1=msg1, peer_index=peer_index, started=now)
+        try:
+            s.msg2 = hs.write_message(b"")
+        except NoiseError:
+            raise E2eError("handshake") from None
+        i2r, r2i = hs.split()
+        assert i2r.k is not None and r2i.k is not None
+        s.send, s.recv = SendCipher(r2i.k, self.rekey_after), RecvCipher(i2r.k)
+        queued: collections.deque[Queued] = mine.queue if mine is not None else collections.deque()
+        self._add(s)
+        self.counts["responded"] += 1
+        return self._resp_body(s), [self._sealed(s, t, f, b, t == DATAGRAM) for t, f, b in queued]
+
+    def _resp_body(self, s: Session) -> bytes:
+        return RESP_HEAD.pack(s.peer_index, s.index) + s.msg2
+
+    def on_resp(self, src: int, body: bytes) -> list[tuple[int, bytes]]:
+        """Message 2: the session is up; returns the queued frames, sealed. E2eError to drop."""
+        if len(body) < RESP_HEAD.size:
+            raise E2eError("malformed")
+        my_index, peer_index = RESP_HEAD.unpack_from(body)
+        s = self.by_index.get(my_index)
+        if s is None or s.peer != src or not s.initiator or s.hs is None:
+            raise E2eError("unknown_session")
+        try:
+            s.hs.read_message(bytes(body[RESP_HEAD.size:]))
+        except NoiseError:
+            raise E2eError("handshake") from None
+        i2r, r2i = s.hs.split()
+        assert i2r.k is not None and r2i.k is not None
+        s.send, s.recv = SendCipher(i2r.k, self.rekey_after), RecvCipher(r2i.k)
+        s.hs, s.peer_index = None, peer_index
+        queued, s.queue, s.queued_bytes = s.queue, collections.deque(), 0
+        self.counts["established"] += 1
+        return [self._sealed(s, t, f, b, t == DATAGRAM) for t, f, b in queued]
+
+    def open(self, src: int, body: memoryview, datagram: bool) -> tuple[int, int, bytes]:
+        """A sealed frame from `src`: (inner type, inner flags, inner body). E2eError to drop."""
+        if len(body) < INDEX.size + RECORD.size + TAG:
+            raise E2eError("malformed")
+        s = self.by_index.get(INDEX.unpack_from(body)[0])
+        if s is None or s.peer != src or s.recv is None:
+            raise E2eError("unknown_session")
+        _, epoch, counter = RECORD.unpack_from(body, INDEX.size)
+        hstart = INDEX.size
+        plain = s.recv.open(body[hstart:hstart + RECORD.size], epoch, counter, body[hstart + RECORD.size:])
+        if plain is None:
+            raise E2eError("forged_or_replayed")
+        self._touch(s)
+        if datagram:
+            return DATAGRAM, 0, plain
+        if len(plain) < INNER.size:
+            raise E2eError("malformed")
+        ftype, flags = INNER.unpack_from(plain)
+        return ftype, flags, plain[INNER.size:]
