@@ -14,6 +14,9 @@ Sections (medians of alternating rounds, bench/common.py):
   same tables with neither (what the protocol cost before this release), paired.
 * **converge**: N MeshServices on ring links in one process (50 and 200), signed and
   verified vs verification switched off in the same services, paired.
+* **revoke**: 10 services in certificate mode on ring links; the revocation list written to
+  node 0's node.revocation_list; seconds until the revoked node is gone from every other
+  node (records and links). The target is 5 s.
 
     .venv/bin/python bench/identity.py [--rounds N] [--only SECTIONS] [--json FILE]
 """
@@ -213,11 +216,55 @@ def convergence(n: int, signed: bool) -> Metrics:
     return out
 
 
+def revocation(n: int = 10) -> Metrics:
+    """Certificate mode, N services on ring links (a random graph), the list written on node 0:
+    seconds until the revoked node (the last) is gone from every other node's table and links."""
+    adj = random_graph(n, 3, seed=n)
+    tmp = tempfile.TemporaryDirectory()
+    root = Path(tmp.name)
+    ca = TestCA(root)
+
+    async def go() -> Metrics:
+        names = {i: ring_name("idrev") for i in range(n)}
+        nodes: list[Any] = []
+        certs_ = []
+        for i in range(n):
+            ident = Identity.generate()
+            cert = ca.issue(f"n{i}", ident, f"10.77.0.{i + 1}/24")
+            certs_.append(cert)
+            peers = [f"ring://{names[j]}" for j, _ in adj[i] if j < i]
+            node = {"certificate": str(cert), "ca": ca.ca_file,
+                    "revocation_list": str(ca.revocation_list) if i == 0 else str(root / f"none{i}"),
+                    "state_dir": str(root / f"s{i}")}
+            cfg = node_config(f"n{i}", f"10.77.0.{i + 1}/24", listen=[f"ring://{names[i]}"], peers=peers)
+            cfg = dataclasses.replace(cfg, node=dataclasses.replace(cfg.node, **node))
+            svc = mesh_node(cfg, ident)
+            await svc.start()
+            nodes.append(svc)
+        try:
+            while not all(len(s.table.hop_paths) == n for s in nodes):
+                await asyncio.sleep(0.01)
+            victim = nodes[-1].node_id
+            t0 = time.perf_counter()
+            ca.revoke(certs_[-1])
+            while any(victim in s.table.records or victim in s.links for s in nodes[:-1]):
+                await asyncio.sleep(0.005)
+                if time.perf_counter() - t0 > 30:
+                    raise RuntimeError("revocation did not reach every node in 30 s")
+            return {"gone_everywhere_s": time.perf_counter() - t0}
+        finally:
+            await stop_all(nodes)
+            tmp.cleanup()
+
+    out: Metrics = run(go())
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p, rounds=3)
     args = p.parse_args()
-    sections = {s.strip() for s in (args.only or "handshake,verify,sync,converge").split(",")}
+    sections = {s.strip() for s in (args.only or "handshake,verify,sync,converge,revoke").split(",")}
     world = _World(200)
     runners: list[Runner] = []
     if "handshake" in sections:
@@ -246,6 +293,11 @@ def main() -> None:
             r.add("signed", functools.partial(convergence, n, True))
             r.run()
             runners.append(r)
+    if "revoke" in sections:
+        r = Runner("revocation: written on one node of 10 (certificate mode, ring links)", args.rounds)
+        r.add("10 nodes", revocation)
+        r.run()
+        runners.append(r)
     report(runners, json_path=args.json,
            ratio_metrics=["converge_s", "cpu_s", "cpu_ms_per_node", "handshakes/s"])
 

@@ -42,6 +42,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     put("mesh", "peers", args.peer)
     put("mesh", "proxy_cidrs", args.proxy_cidr)
     put("dns", "upstreams", args.upstream)
+    for item in args.serve or ():  # PORT=IP:PORT, as [serve] PORT = "IP:PORT"
+        port, _, target = item.partition("=")
+        o.setdefault("serve", {})[port.strip()] = target.strip()
     if args.exit_node:
         put("mesh", "exit_node", True)
     if args.exit_nodes:
@@ -398,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--exit-node", action="store_true")
     run.add_argument("--exit-nodes", metavar="IP,...")
     run.add_argument("--proxy-cidr", action="append")
+    run.add_argument("--serve", action="append", metavar="PORT=IP:PORT",
+                     help="publish a local service on this node's virtual IP (repeatable)")
     run.add_argument("--admin", metavar="ADDR")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     run.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")

@@ -319,6 +319,9 @@ class Config:
     limits: LimitsConfig = LimitsConfig()
     log_level: str = "info"
     http_proxy: HttpProxyConfig = HttpProxyConfig()
+    # [serve]: what the mesh reaches at this node's virtual IPs, port -> local address;
+    # nothing is published by default (a virtual IP is not the node's whole loopback)
+    serve: tuple[tuple[int, HostPort], ...] = ()
 
     @property
     def state_path(self) -> Path:
@@ -762,6 +765,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
     problems: list[ConfigProblem] = []
     r = _Reader(problems)
     r.table(raw, "", ["node", "mesh", "exit", "socks5", "http_proxy", "dns", "tun", "admin", "limits",
+                      "serve",
                       "log_level"])
 
     n = _section(r, raw, "node")
@@ -900,10 +904,36 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         raw, "", "log_level", _choice("debug", "info", "warning", "error"), base.log_level
     )
 
+    serve = _read_serve(r, _section(r, raw, "serve"), base.serve)
     _check_ports(r, socks5, dns, admin, http_proxy)
     if problems:
         raise ConfigError(problems)
-    return Config(node, mesh, exit_cfg, socks5, dns, tun, admin, limits, log_level, http_proxy)
+    return Config(node, mesh, exit_cfg, socks5, dns, tun, admin, limits, log_level, http_proxy, serve)
+
+
+def _read_serve(
+    r: _Reader, raw: Mapping[str, Any], base: tuple[tuple[int, HostPort], ...]
+) -> tuple[tuple[int, HostPort], ...]:
+    """[serve]: `8000 = "127.0.0.1:8000"`, `"22" = "127.0.0.1:22"` (TOML keys are strings)."""
+    if not raw:
+        return base
+    out: list[tuple[int, HostPort]] = []
+    for key, value in raw.items():
+        if not str(key).isdigit() or not 1 <= int(key) <= 65535:
+            r.problem(f"serve.{key}", "the key is a port number, 1-65535, on this node's virtual IPs")
+            continue
+        try:
+            target = parse_host_port(value)
+        except ValueError as e:
+            r.problem(f"serve.{key}", f"{e} (the local address served there, e.g. \"127.0.0.1:{key}\")")
+            continue
+        try:
+            ipaddress.ip_address(target.host)
+        except ValueError:
+            r.problem(f"serve.{key}", f"{target.host!r}: an IP address, not a name (e.g. 127.0.0.1)")
+            continue
+        out.append((int(key), target))
+    return tuple(sorted(out, key=lambda x: x[0]))
 
 
 def _check_ports(r: _Reader, socks5: Socks5Config, dns: DnsConfig, admin: AdminConfig,

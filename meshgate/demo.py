@@ -154,7 +154,9 @@ class Demo:
                            "--port", str(web_port), "--name", "web"])
         self.node("exit", ["--listen", f"tcp://127.0.0.1:{exit_port}",
                            "--proxy-cidr", "127.0.0.0/24->10.2.2.0/24",
-                           "--dns", f"127.0.0.1:{exit_dns}", "--admin", f"127.0.0.1:{free()}"])
+                           "--dns", f"127.0.0.1:{exit_dns}", "--admin", f"127.0.0.1:{free()}",
+                           # the portal's DNS upstream is this resolver, at the exit's virtual IP
+                           "--serve", f"{exit_dns}=127.0.0.1:{exit_dns}"])
         self.node("relay", ["--listen", f"tcp://127.0.0.1:{relay_port}",
                             "--peer", f"tcp://127.0.0.1:{exit_port}", "--admin", f"127.0.0.1:{free()}"])
         self.node("portal", [*self.portal_overrides(), "--peer", f"tcp://127.0.0.1:{relay_port}",

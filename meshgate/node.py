@@ -208,7 +208,8 @@ class Node:
 
     async def _open_mesh_udp(self, on_datagram: OnDatagram, pool: BufferPool) -> UdpEgress:
         assert self.udp_hub is not None  # made when the mesh started, before the portal
-        return await self.udp_hub.open_portal(on_datagram, pool, self.config.mesh.direct_fallback)
+        mesh = self.config.mesh  # with exit_nodes set, never from this host (as for CONNECT)
+        return await self.udp_hub.open_portal(on_datagram, pool, mesh.direct_fallback and not mesh.exit_nodes)
 
     # --- lifecycle
 

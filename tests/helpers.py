@@ -151,10 +151,10 @@ class UdpEcho:
     sends each datagram back to its source behind `prefix`, and remembers what it received
     (`received`) and from where (`peers`)."""
 
-    def __init__(self, host: str = "127.0.0.1", prefix: bytes = b"") -> None:
+    def __init__(self, host: str = "127.0.0.1", prefix: bytes = b"", port: int = 0) -> None:
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(fam, socket.SOCK_DGRAM)
-        self.sock.bind((host, 0))
+        self.sock.bind((host, port))
         self.sock.setblocking(False)
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
         self.port = self.address[1]

@@ -50,9 +50,14 @@ def connector(
         loop = asyncio.get_running_loop()
         ip = parse_ip(host)
         if ip is not None and ip in rules.own_ips:
-            # The node's own virtual IP is the node itself: its loopback services.
-            target = "::1" if ip.version == 6 else "127.0.0.1"
-            return await _connect_one(loop, factory, target, port, host, connect_timeout)
+            # The node's own virtual IP: only what [serve] publishes there
+            served = rules.served_target(port)
+            if served is None:
+                _refused.labels("not_served").inc()
+                _rlog.debug(f"not_served:{port}", "connection to %s:%d refused: not published ([serve])",
+                            host, port)
+                raise StreamError(replies.NOT_ALLOWED, f"port {port} is not published on {host} ([serve])")
+            return await _connect_one(loop, factory, served[0], served[1], host, connect_timeout)
         if ip is not None:
             addrs = [rules.translate(ip)]
         else:

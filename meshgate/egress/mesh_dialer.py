@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -27,6 +28,7 @@ from meshgate.buffers import BufferPool
 from meshgate.config import Config
 from meshgate.egress.dialer import Dialer, DialError, OnDatagram, UdpEgress, UdpOpener
 from meshgate.egress.rules import ExitRules
+from meshgate.logs import RateLimitedLog
 from meshgate.mesh.routing import Route
 from meshgate.mesh.service import MeshService
 from meshgate.mesh.splice import EgressConnect
@@ -43,6 +45,9 @@ _routed = REGISTRY.counter(
 _PROBE_V4 = ipaddress.IPv4Address("1.1.1.1")
 
 
+_rlog = RateLimitedLog(logging.getLogger("meshgate.egress"))
+
+
 class MeshDialer(Dialer):
     def __init__(
         self, config: Config, mesh: MeshService, egress: EgressConnect, open_udp: UdpOpener, **kw: Any
@@ -51,7 +56,11 @@ class MeshDialer(Dialer):
         self.mesh = mesh
         self.zone = config.dns.zone.rstrip(".")
         self.records = {name.rstrip("."): ipaddress.ip_address(a) for name, a in config.dns.records}
-        self.direct_fallback = config.mesh.direct_fallback
+        # with mesh.exit_nodes set the user chose where traffic leaves: when no exit is
+        # reachable the portal refuses, it never leaves from this host instead (nor resolves
+        # the name here, a DNS leak)
+        self.exit_required = bool(config.mesh.exit_nodes)
+        self.direct_fallback = config.mesh.direct_fallback and not self.exit_required
         # this node's own egress (the connector the mesh has), for routes that end here
         self.egress = egress
         self._open_udp = open_udp
@@ -116,6 +125,9 @@ class MeshDialer(Dialer):
                 _routed.labels("direct").inc()
                 return await super()._connect(host, port, protocol_factory)
             _routed.labels("unreachable").inc()
+            if self.exit_required:
+                _rlog.warning("no_exit", "no exit of mesh.exit_nodes is reachable: %s:%d refused (0x03),"
+                              " not sent from this host", host, port)
             raise DialError(replies.NETWORK_UNREACHABLE, f"no mesh route to {host} and no exit node")
         try:
             if route.node_id == self.mesh.node_id:

@@ -1,6 +1,8 @@
 """Exit rules where traffic leaves the mesh: pure decisions, no I/O.
 
-- The node's own virtual IPs mean its loopback (127.0.0.1 / ::1).
+- The node's own virtual IPs reach only what `[serve]` publishes there, port by port
+  (e.g. 8000 -> 127.0.0.1:8000); nothing else on the node (its admin API, a database kept
+  on loopback) is reachable through them.
 - A mapped proxy CIDR is translated back to the real prefix, host bits kept.
 - After resolution every address must be in one of this node's proxy CIDRs,
   or this node must offer exit (`mesh.exit_node`, or a `0.0.0.0/0` / `::/0`
@@ -22,6 +24,7 @@ class ExitRules:
         mesh = config.mesh
         ifaces = [i for i in (config.node.ipv4, config.node.ipv6) if i is not None]
         self.own_ips: set[IPAddress] = {i.ip for i in ifaces}
+        self.served: dict[int, tuple[str, int]] = {port: (t.host, t.port) for port, t in config.serve}
         # The mesh's own virtual subnets: an address there with no route (unassigned,
         # or not yet converged) must never leave by the host's default route.
         self.vnets: tuple[IPNetwork, ...] = tuple(i.network for i in ifaces)
@@ -45,6 +48,10 @@ class ExitRules:
                 offset = int(ip) - int(mapped.network_address)
                 return ipaddress.ip_address(int(real.network_address) + offset)
         return ip
+
+    def served_target(self, port: int) -> tuple[str, int] | None:
+        """Where a connection to this node's virtual IP at `port` goes, or None: not published."""
+        return self.served.get(port)
 
     def check(self, ip: IPAddress) -> str | None:
         """None if allowed; else the reason (for logs and counters, never a secret)."""

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import itertools
 import logging
+import os
 import struct
 from collections.abc import Callable
 
@@ -63,6 +63,7 @@ _DROP_NO_ROUTE = _DROPPED.labels("no_route")
 _DROP_TABLE = _DROPPED.labels("association_table_full")
 _DROP_TARGETS = _DROPPED.labels("targets_full")
 _DROP_UNKNOWN = _DROPPED.labels("unknown_association")
+_DROP_WRONG_NODE = _DROPPED.labels("reply_from_wrong_node")
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 OnDatagram = Callable[[Buffer, tuple[str, int]], None]
@@ -110,7 +111,8 @@ class PortalUdp:
 
     def __init__(self, hub: UdpHub, on_datagram: OnDatagram, pool: BufferPool, direct: bool) -> None:
         self.hub = hub
-        self.assoc = next(hub.ids)
+        self.assoc = hub.new_id()
+        self.sent_to: set[int] = set()  # nodes this association sent to: replies only from them
         self.on_datagram = on_datagram
         self.pool = pool
         self.local = LocalUdpEgress(hub.loop, on_datagram, pool) if direct else None
@@ -137,6 +139,8 @@ class PortalUdp:
         ok: bool = self.hub.mesh.send_datagram(route.node_id, UDP_CHANNEL, head + data)
         if ok:
             _SENT.inc()
+            if len(self.sent_to) < self.hub.max_targets:
+                self.sent_to.add(route.node_id)
         return ok
 
     def _head(self, sockaddr: tuple[str, int]) -> tuple[IPAddress, bytes]:
@@ -218,7 +222,7 @@ class UdpHub:
         self.max_assocs = limits.mesh_udp_max_associations
         self.max_targets = limits.socks5_udp_max_targets
         self.pool = BufferPool(capacity=65536, headroom=0, max_free=32)
-        self.ids = itertools.count(1)
+
         self.portals: dict[int, PortalUdp] = {}
         self.egress: dict[tuple[int, int], _EgressAssoc] = {}
         self.mesh.on_datagram(UDP_CHANNEL, self._from_portal)
@@ -264,7 +268,14 @@ class UdpHub:
     ) -> tuple[int, tuple[str, int], int] | None:
         _, ip, port, _ = decode(data)  # head_len() checked the head
         if ip in self.rules.own_ips:
-            real_ip: IPAddress = ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1")
+            served = self.rules.served_target(port)  # only what [serve] publishes
+            if served is None:
+                _DROP_POLICY.inc()
+                _rlog.debug(f"udp-served:{port}", "mesh UDP to %s:%d refused: not published ([serve])",
+                            ip, port)
+                return None
+            real_ip: IPAddress = ipaddress.ip_address(served[0])
+            port = served[1]
         else:
             real_ip = self.rules.translate(ip)
             why = self.rules.check(real_ip)
@@ -314,7 +325,21 @@ class UdpHub:
         if portal is None:
             _DROP_UNKNOWN.inc()
             return
+        if src not in portal.sent_to:
+            # a reply from a node this association never sent to (src is authenticated, the
+            # id unguessable): another member injecting into someone's association
+            _DROP_WRONG_NODE.inc()
+            _rlog.debug(f"udp-wrong:{src}", "mesh UDP reply from %08x for an association that never"
+                        " sent to it: dropped", src)
+            return
         portal.reply_wire(data, n)
+
+    def new_id(self) -> int:
+        """An association id nobody can guess (random, not sequential), unused here."""
+        while True:
+            i = int.from_bytes(os.urandom(4), "big")
+            if i and i not in self.portals:
+                return i
 
     def _expire(self) -> None:
         now = self.loop.time()

@@ -327,7 +327,9 @@ class MeshStream(asyncio.Transport):
         self._grant(n)
 
     def on_window(self, credit: int) -> None:
-        self.send_credit += credit
+        # never more in flight than our own window (limits.stream_window), whatever the peer
+        # grants: a peer that grants 2^32 and stops reading must not fill our memory
+        self.send_credit = min(self.send_credit + credit, self._mux.window)
         if self._send_buf or self._fin_pending:
             self._flush()
             self._check_pause()
@@ -483,7 +485,7 @@ class StreamMux:
             if stream is None or fut is None or len(body) != ACCEPT.size:
                 _stream_drops.labels("unexpected_accept").inc()
                 return
-            stream.send_credit = ACCEPT.unpack_from(body)[1]
+            stream.send_credit = min(ACCEPT.unpack_from(body)[1], self.window)
             _streams_total.labels("open", "ok").inc()
             if not fut.done():
                 fut.set_result(stream)
@@ -497,7 +499,7 @@ class StreamMux:
                 _stream_drops.labels("duplicate_open").inc()
                 return
             new = MeshStream(self, src, sid, False, self.window)
-            new.send_credit = window
+            new.send_credit = min(window, self.window)
             if not self._add(new):
                 self.send(STREAM_RESET, 0, src, RESET.pack(sid, GENERAL_FAILURE), b"")
                 return

@@ -285,7 +285,8 @@ async def test_a_route_reaches_a_resolver_at_another_nodes_virtual_ip_over_the_m
     b = await start(cfg("b", "10.144.9.2/24", node={"state_dir": str(tmp_path / "b")},
                         mesh={"listen": ["tcp://127.0.0.1:0"]},
                         dns={"records": {f"n{i}.far.example.": CORP for i in range(32)},
-                             "listener": [{"protocol": "tcp", "listen": f"127.0.0.1:{dns_port}"}]}))
+                             "listener": [{"protocol": "tcp", "listen": f"127.0.0.1:{dns_port}"}]},
+                        serve={str(dns_port): f"127.0.0.1:{dns_port}"}))  # b publishes its resolver
     a = await start(cfg("a", "10.144.9.1/24", node={"state_dir": str(tmp_path / "a")},
                         mesh={"peers": [b.mesh.listen_addrs[0]], "direct_fallback": False},
                         dns={"workers": 2, "upstreams": ["udp://127.0.0.1:9"],

@@ -289,7 +289,8 @@ async def test_workers_go_upstream_through_the_main_process_and_its_mesh(tmp_pat
     b = await start(cfg("b", "10.144.9.2/24", node={"state_dir": str(tmp_path / "b")},
                         mesh={"listen": ["tcp://127.0.0.1:0"]},
                         dns={"records": {f"n{i}.far.example.": WWW for i in range(128)},
-                             "listener": [{"protocol": "tcp", "listen": f"127.0.0.1:{dns_port}"}]}))
+                             "listener": [{"protocol": "tcp", "listen": f"127.0.0.1:{dns_port}"}]},
+                        serve={str(dns_port): f"127.0.0.1:{dns_port}"}))  # b publishes its resolver
     a = await start(cfg("a", "10.144.9.1/24", node={"state_dir": str(tmp_path / "a")},
                         mesh={"peers": [b.mesh.listen_addrs[0]], "direct_fallback": False},
                         dns={"workers": 2, "upstreams": [f"tcp://10.144.9.2:{dns_port}"],

@@ -28,7 +28,7 @@ from meshgate.config import (
 from meshgate.gateway import http_proxy
 from meshgate.gateway.http_proxy import HttpProxyService
 from meshgate.node import Node
-from tests.helpers import Metric, async_wait_until, both_loops, require_tool
+from tests.helpers import Metric, async_wait_until, both_loops, free_port, require_tool
 
 # pytest-asyncio 1.x prefers a conftest hook for loop factories; a module-local
 # policy fixture keeps this choice inside this file (as in test_socks5_server.py).
@@ -43,13 +43,13 @@ event_loop_policy = both_loops  # every test here on both loops
 class Origin:
     """A loopback HTTP/1.1 server that answers every request with what it received."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.heads: list[bytes] = []
         self.server: asyncio.Server | None = None
-        self.port = 0
+        self.port = port
 
     async def __aenter__(self) -> Origin:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
 
@@ -319,6 +319,9 @@ def node_cfg(name: str, ipv4: str, **sections: Any) -> Any:
     return from_dict(raw)
 
 
+SERVED = free_port()  # the port c publishes on its virtual IP ([serve]): the mesh tests' origins
+
+
 @pytest.fixture
 async def line(tmp_path: Any) -> AsyncIterator[dict[str, Node]]:
     """A — B — C; C an exit with 127.0.0.0/24 advertised as 10.2.2.0/24; A sends the internet to
@@ -337,6 +340,7 @@ async def line(tmp_path: Any) -> AsyncIterator[dict[str, Node]]:
                                  mesh={"listen": ["tcp://127.0.0.1:0"]}, http_proxy=hp))
         link = b.mesh.listen_addrs[0] if b.mesh else ""
         c = await start(node_cfg("c", "10.144.1.3/24", node={"state_dir": str(tmp_path / "c")},
+                                 serve={str(SERVED): f"127.0.0.1:{SERVED}"},
                                  mesh={"peers": [link], "exit_node": True,
                                        "proxy_cidrs": ["127.0.0.0/24->10.2.2.0/24"]}))
         a = await start(node_cfg("a", "10.144.1.1/24", node={"state_dir": str(tmp_path / "a")},
@@ -360,7 +364,7 @@ def svc_of(node: Node) -> HttpProxyService:
 
 async def test_through_the_mesh_reaches_c(line: dict[str, Node]) -> None:
     a = svc_of(line["a"])
-    async with Origin() as origin:
+    async with Origin(SERVED) as origin:
         peer = Metric("meshgate_socks5_routed_total", "peer")
         code, _, body = await curl("-x", url(a), f"http://10.144.1.3:{origin.port}/at-c")
         assert (code, body) == ("200", "origin saw GET /at-c HTTP/1.1 body=")
@@ -384,7 +388,7 @@ async def test_bulk_both_ways_through_a_tunnel_over_the_mesh(line: dict[str, Nod
         await w.drain()
         w.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(handle, "127.0.0.1", SERVED)
     port = server.sockets[0].getsockname()[1]
     try:
         r, w = await tunnel(svc_of(line["a"]), f"10.144.1.3:{port}")
@@ -402,7 +406,10 @@ async def test_bulk_both_ways_through_a_tunnel_over_the_mesh(line: dict[str, Nod
 async def test_mesh_refusals_map_to_statuses(line: dict[str, Node]) -> None:
     a = svc_of(line["a"])
     async with Origin() as origin:
-        dead = origin.port
+        unpublished = origin.port
+        # a port C does not publish on its virtual IP ([serve]), though something listens (0x02)
+        assert (await curl("-x", url(a), f"http://10.144.1.3:{unpublished}/"))[0] == "403"
+    dead = SERVED  # published, nothing listening
     # loopback outside C's proxy CIDR: C's exit policy refuses it (0x02)
     assert (await curl("-x", url(a), "http://127.0.1.1/"))[0] == "403"
     assert (await curl("-p", "-x", url(a), "http://127.0.1.1/"))[1] == "403"
@@ -439,7 +446,7 @@ async def test_chromium_loads_a_mesh_page_through_the_pac_file(line: dict[str, N
     route on this host: only the proxy reaches it)."""
     chromium = require_tool("chromium")
     b = svc_of(line["b"])
-    async with Origin() as origin:
+    async with Origin(SERVED) as origin:
         forwarded = Metric("meshgate_http_proxy_requests_total", "forward", "200")
         pac = Metric("meshgate_http_proxy_requests_total", "pac", "200")
         proc = await asyncio.create_subprocess_exec(

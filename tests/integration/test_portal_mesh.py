@@ -8,7 +8,9 @@ tests/system/test_portal_netns.py checks sources in real namespaces.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import ipaddress
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,9 +21,12 @@ from python_socks.async_.asyncio import Proxy
 from meshgate.config import from_dict
 from meshgate.metrics import REGISTRY
 from meshgate.node import Node
-from tests.helpers import async_wait_until
+from tests.helpers import async_wait_until, free_port
 
 SECRET = "portal-mesh-test-secret"
+# the one port a and c publish on their virtual IPs ([serve]), TCP and UDP: the echo servers'
+SERVED = free_port()
+SERVE = {str(SERVED): f"127.0.0.1:{SERVED}"}
 
 
 def cfg(name: str, ipv4: str, **sections: Any) -> Any:
@@ -47,10 +52,10 @@ async def line(tmp_path: Any) -> AsyncIterator[dict[str, Node]]:
     b = await start(cfg("b", "10.144.1.2/24", node={"state_dir": state["b"]},
                         mesh={"listen": ["tcp://127.0.0.1:0"]}))
     url = b.mesh.listen_addrs[0]
-    c = await start(cfg("c", "10.144.1.3/24", node={"state_dir": state["c"]},
+    c = await start(cfg("c", "10.144.1.3/24", node={"state_dir": state["c"]}, serve=SERVE,
                         mesh={"peers": [url], "exit_node": True,
                               "proxy_cidrs": ["127.0.0.0/24->10.2.2.0/24"]}))
-    a = await start(cfg("a", "10.144.1.1/24", node={"state_dir": state["a"]},
+    a = await start(cfg("a", "10.144.1.1/24", node={"state_dir": state["a"]}, serve=SERVE,
                         mesh={"peers": [url], "exit_nodes": ["auto"], "direct_fallback": False},
                         socks5={"enable": True, "listen": "127.0.0.1:0"}))
     nodes = {"a": a, "b": b, "c": c}
@@ -75,7 +80,7 @@ async def echo_server() -> tuple[asyncio.Server, int]:
         await w.drain()
         w.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(handle, "127.0.0.1", SERVED)
     return server, server.sockets[0].getsockname()[1]
 
 
@@ -130,7 +135,7 @@ async def test_bulk_both_ways_through_relay(line: dict[str, Node]) -> None:
         await w.drain()
         w.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(handle, "127.0.0.1", SERVED)  # the port c publishes
     port = server.sockets[0].getsockname()[1]
     try:
         sock = await portal(line).connect(dest_host="10.144.1.3", dest_port=port, timeout=10)
@@ -179,7 +184,8 @@ async def test_dns_upstream_on_another_node_is_reached_over_the_mesh(tmp_path: A
     b = await start(cfg("b", "10.144.2.2/24", node={"state_dir": str(tmp_path / "b")},
                         mesh={"listen": ["tcp://127.0.0.1:0"]},
                         dns={"records": {"far.example.": "192.0.2.7"},
-                             "listener": [{"protocol": "tcp", "listen": f"127.0.0.1:{dns_port}"}]}))
+                             "listener": [{"protocol": "tcp", "listen": f"127.0.0.1:{dns_port}"}]},
+                        serve={str(dns_port): f"127.0.0.1:{dns_port}"}))  # b publishes its resolver
     a = await start(cfg("a", "10.144.2.1/24", node={"state_dir": str(tmp_path / "a")},
                         mesh={"peers": [b.mesh.listen_addrs[0]]},
                         dns={"upstreams": [f"tcp://10.144.2.2:{dns_port}"]}))
@@ -205,7 +211,7 @@ async def test_udp_associate_over_the_mesh(line: dict[str, Node]) -> None:
 
     svc = next(s for s in line["a"].services if s.name == "socks5")
     addr = svc.address  # type: ignore[attr-defined]
-    echo = UdpEcho("127.0.0.1", prefix=b"echo:")
+    echo = UdpEcho("127.0.0.1", prefix=b"echo:", port=SERVED)
     client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     client.bind(("127.0.0.1", 0))
     client.setblocking(False)
@@ -237,6 +243,22 @@ async def test_udp_associate_over_the_mesh(line: dict[str, Node]) -> None:
             lambda: REGISTRY.value("meshgate_mesh_udp_dropped_total", "not_allowed") == refused + 1,
             what="policy drop counted at the exit")
         assert len(echo.received) == 3
+
+        # b, a member that relays but was never sent to, injects a reply into a's association
+        from meshgate.gateway.mesh_udp import UDP_REPLY_CHANNEL, encode_head
+
+        hub = line["a"].udp_hub
+        assoc = next(iter(hub.portals))
+        wrong = REGISTRY.value("meshgate_mesh_udp_dropped_total", "reply_from_wrong_node")
+        fake = encode_head(assoc, ipaddress.ip_address("10.144.1.3"), echo.port) + b"injected"
+        assert line["b"].mesh.send_datagram(line["a"].mesh.node_id, UDP_REPLY_CHANNEL, fake)
+        await async_wait_until(
+            lambda: REGISTRY.value("meshgate_mesh_udp_dropped_total", "reply_from_wrong_node") == wrong + 1,
+            what="the injected reply dropped")
+        client_got = []
+        with contextlib.suppress(BlockingIOError):
+            client_got.append(client.recv(65536))
+        assert client_got == []
     finally:
         writer.close()
         client.close()
@@ -266,4 +288,48 @@ async def test_direct_fallback_never_takes_the_mesh_subnet(tmp_path: Any) -> Non
         finally:
             server.close()
     finally:
+        await a.stop()
+
+
+async def test_a_virtual_ip_reaches_only_what_its_node_publishes(line: dict[str, Node]) -> None:
+    """[serve]: c's virtual IP is not c's loopback. A service c keeps on loopback on purpose
+    (here a plain listener on another port, as c's admin API or a database would be) is refused
+    (0x02) through the mesh; the published port works."""
+    hidden = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    hidden_port = hidden.sockets[0].getsockname()[1]
+    server, port = await echo_server()
+    refused = REGISTRY.value("meshgate_egress_refused_total", "not_served")
+    try:
+        with pytest.raises(ProxyError) as e:
+            await portal(line).connect(dest_host="10.144.1.3", dest_port=hidden_port, timeout=10)
+        assert e.value.error_code == 0x02
+        assert REGISTRY.value("meshgate_egress_refused_total", "not_served") == refused + 1
+        # the own node's virtual IP likewise, for its own portal's users
+        with pytest.raises(ProxyError) as e:
+            await portal(line).connect(dest_host="10.144.1.1", dest_port=hidden_port, timeout=10)
+        assert e.value.error_code == 0x02
+        assert await roundtrip(portal(line), "10.144.1.3", port, b"published") == b"echo:published"
+    finally:
+        hidden.close()
+        server.close()
+
+
+async def test_with_exit_nodes_set_no_reachable_exit_means_refused_not_direct(tmp_path: Any) -> None:
+    """mesh.exit_nodes names where traffic leaves; with none reachable the portal refuses
+    (0x03) even with direct_fallback on, instead of leaving (and resolving) from its host."""
+    a = await start(cfg("lonely", "10.144.9.1/24", node={"state_dir": str(tmp_path / "lonely")},
+                        mesh={"direct_fallback": True, "exit_nodes": ["auto"],
+                              "peers": ["tcp://127.0.0.1:9"]},
+                        socks5={"enable": True, "listen": "127.0.0.1:0"}))
+    server, port = await echo_server()
+    try:
+        svc = next(s for s in a.services if s.name == "socks5")
+        addr = svc.address  # type: ignore[attr-defined]
+        proxy = Proxy.from_url(f"socks5://{addr.host}:{addr.port}", rdns=True)
+        for host in ("127.0.0.1", "localhost"):
+            with pytest.raises(ProxyError) as ei:
+                await proxy.connect(dest_host=host, dest_port=port, timeout=10)
+            assert ei.value.error_code == 0x03, host
+    finally:
+        server.close()
         await a.stop()

@@ -53,7 +53,9 @@ def node_toml(role: str, workdir: Path, vip: str, mesh: str, extra: str = "") ->
     )
 
 
-PORTAL = '[socks5]\nlisten = "127.0.0.1:1080"\n'
+# the portal, and the web server each node publishes on its virtual IP ([serve]): nothing else
+# on its loopback (the admin API on 15888, the portal on 1080) is reachable through the mesh
+PORTAL = '[socks5]\nlisten = "127.0.0.1:1080"\n[serve]\n8080 = "127.0.0.1:8080"\n'
 NO_PORTAL = "[socks5]\nenable = false\n"
 C_MESH_EXIT = ('peers = ["tcp://172.31.2.2:11010"]\nexit_node = true\n'
                'proxy_cidrs = ["10.1.2.0/24", "10.1.2.0/24->10.2.2.0/24"]')
@@ -243,3 +245,12 @@ def test_dns_over_socks_udp_to_a_lan_resolver(a_auto: Topology, server: str) -> 
                       "5353", "printer.lan.test")
     assert r.returncode == 0, r.stderr + a_auto.log("lan-dns")
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"rcode": 0, "addresses": ["10.1.2.99"]}
+
+
+@pytest.mark.parametrize("port", [15888, 1080])
+def test_what_a_node_does_not_publish_is_unreachable(a_auto: Topology, port: int) -> None:
+    """C's admin API and C's own portal listen on C's loopback; through A's portal and C's
+    virtual IP they are refused (0x02). Before [serve], C's portal on its virtual IP, with its
+    direct fallback, took anyone anywhere past A's exit policy."""
+    r = curl(a_auto, f"http://{C_VIP}:{port}/status")
+    assert r.returncode == 97 and "(2)" in r.stderr, r.stderr

@@ -187,3 +187,14 @@ def test_link_schemes_are_the_registered_link_kinds() -> None:
     from meshgate.mesh.link_kinds import LINK_KINDS
 
     assert sorted(LINK_SCHEMES) == sorted(LINK_KINDS)
+
+
+def test_serve_publishes_ports_on_the_virtual_ip() -> None:
+    from_dict = config.from_dict
+    cfg = from_dict({"serve": {"8000": "127.0.0.1:8000", "2222": "127.0.0.1:22"}})
+    assert [(p, str(t)) for p, t in cfg.serve] == [(2222, "127.0.0.1:22"), (8000, "127.0.0.1:8000")]
+    assert from_dict({}).serve == ()  # nothing by default
+    with pytest.raises(ConfigError) as e:
+        from_dict({"serve": {"http": "127.0.0.1:80", "70000": "127.0.0.1:1", "22": "localhost:22"}})
+    keys = {p.key for p in e.value.problems}
+    assert keys == {"serve.http", "serve.70000", "serve.22"}

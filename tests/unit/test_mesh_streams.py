@@ -169,3 +169,23 @@ def test_open_codec_rejects_garbage() -> None:
         streams.decode_open(memoryview(b"\x00" * 5))
     sid, window, host, port = streams.decode_open(memoryview(streams.encode_open(7, 100, "example.org", 443)))
     assert (sid, window, host, port) == (7, 100, "example.org", 443)
+
+
+async def test_a_peer_cannot_grant_more_credit_than_our_window() -> None:
+    """A member that opens with window 2^32-1 (or grants that much later) and stops reading
+    must not make us send (and buffer on the link) more than limits.stream_window."""
+    from meshgate.mesh.frames import STREAM_OPEN, STREAM_WINDOW
+    from meshgate.mesh.streams import WINDOW, encode_open
+
+    wire = Wire(window=65536)
+    opened: list[MeshStream] = []
+
+    def on_open(stream: MeshStream, host: str, port: int) -> None:
+        wire.b.accept(stream)
+        opened.append(stream)
+
+    wire.b.on_open = on_open
+    wire.b.on_frame(STREAM_OPEN, streams.FLAG_OPENER, A, memoryview(encode_open(7, 0xFFFFFFFF, "x", 1)))
+    assert opened and opened[0].send_credit == 65536
+    wire.b.on_frame(STREAM_WINDOW, streams.FLAG_OPENER, A, memoryview(WINDOW.pack(7, 0xFFFFFFFF)))
+    assert opened[0].send_credit == 65536
