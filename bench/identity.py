@@ -233,7 +233,7 @@ def revocation(n: int = 10) -> Metrics:
             cert = ca.issue(f"n{i}", ident, f"10.77.0.{i + 1}/24")
             certs_.append(cert)
             peers = [f"ring://{names[j]}" for j, _ in adj[i] if j < i]
-            node = {"certificate": str(cert), "ca": ca.ca_file,
+            node = {"certificate": str(cert), "ca": (ca.ca_file,),
                     "revocation_list": str(ca.revocation_list) if i == 0 else str(root / f"none{i}"),
                     "state_dir": str(root / f"s{i}")}
             cfg = node_config(f"n{i}", f"10.77.0.{i + 1}/24", listen=[f"ring://{names[i]}"], peers=peers)
