@@ -296,6 +296,47 @@ def cmd_ca(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_acl(args: argparse.Namespace) -> int:
+    """`meshgate acl test FROM TO PORT`: which [[acl]] rule of a config decides (egress/acl.py)."""
+    import ipaddress as ipa
+
+    from meshgate.egress.acl import Source
+    from meshgate.egress.rules import ExitRules
+
+    try:
+        cfg = config.load(args.config)
+    except config.ConfigError as e:
+        _print_config_error(e)
+        return EXIT_CONFIG
+    name, groups, ip = "", tuple(g for g in (args.groups or "").split(",") if g), None
+    if args.source.startswith("node:"):
+        name = args.source[5:]
+    elif args.source.startswith("group:"):
+        groups += (args.source[6:],)
+    else:
+        try:
+            ip = ipa.ip_address(args.source)
+        except ValueError:
+            print("meshgate: FROM is node:NAME, group:NAME or a virtual IP", file=sys.stderr)
+            return EXIT_CONFIG
+    try:
+        dest = None if args.dest == "self" else ipa.ip_address(args.dest)
+    except ValueError:
+        print("meshgate: TO is self (this node's virtual IP) or an address", file=sys.stderr)
+        return EXIT_CONFIG
+    acl = ExitRules(cfg).acl
+    d = acl.decide(Source(1, name, groups, ip), dest, args.port, args.proto)
+    if not acl.active:
+        print("allowed: no [[acl]] rules (every member reaches what this node serves)")
+    elif d.allowed:
+        assert d.rule is not None
+        rule = cfg.acl[d.rule]
+        print(f"allowed by acl[{d.rule}] (proto {rule.proto})")
+    else:
+        print("denied: no [[acl]] rule allows it")
+    return EXIT_OK if d.allowed else EXIT_CONFIG
+
+
 def cmd_dns(args: argparse.Namespace) -> int:
     from meshgate.dns import client
 
@@ -453,6 +494,17 @@ def build_parser() -> argparse.ArgumentParser:
     ssub = sec.add_subparsers(dest="secret_command", required=True)
     sn = ssub.add_parser("new", help="print a new random network secret (256 bits)")
     sn.set_defaults(func=cmd_secret)
+
+    acl = sub.add_parser("acl", help="access rules ([[acl]])")
+    aclsub = acl.add_subparsers(dest="acl_command", required=True)
+    at = aclsub.add_parser("test", help="say which [[acl]] rule decides a connection (exit 0 allowed)")
+    at.add_argument("source", metavar="FROM", help="node:NAME, group:NAME or the source's virtual IP")
+    at.add_argument("dest", metavar="TO", help="self (this node's virtual IP) or an address")
+    at.add_argument("port", type=int, metavar="PORT")
+    at.add_argument("-c", "--config", required=True, help="the node's TOML config file")
+    at.add_argument("--proto", choices=["tcp", "udp"], default="tcp")
+    at.add_argument("--groups", metavar="a,b", help="the source's certificate groups")
+    acl.set_defaults(func=cmd_acl)
 
     k = sub.add_parser("key", help="the node's identity key")
     ksub = k.add_subparsers(dest="key_command", required=True)

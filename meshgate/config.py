@@ -307,6 +307,19 @@ class LimitsConfig:
     odoh_proxy_timeout: float = 5.0  # connect + answer deadline for one forwarded ODoH query
 
 
+AclSource = tuple[str, "str | IPNetwork"]  # ("*"|"node"|"group"|"cidr", value)
+AclDest = tuple[str, "IPNetwork | None", tuple[tuple[int, int], ...]]  # (kind, network, port ranges)
+
+
+@dataclass(frozen=True)
+class AclRule:
+    """One [[acl]] rule (egress/acl.py): who may reach what, by which protocol."""
+
+    sources: tuple[AclSource, ...]
+    dests: tuple[AclDest, ...]
+    proto: str = "any"
+
+
 @dataclass(frozen=True)
 class Config:
     node: NodeConfig = NodeConfig()
@@ -322,6 +335,7 @@ class Config:
     # [serve]: what the mesh reaches at this node's virtual IPs, port -> local address;
     # nothing is published by default (a virtual IP is not the node's whole loopback)
     serve: tuple[tuple[int, HostPort], ...] = ()
+    acl: tuple[AclRule, ...] = ()  # [[acl]]: none = every member reaches what the node serves
 
     @property
     def state_path(self) -> Path:
@@ -765,7 +779,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
     problems: list[ConfigProblem] = []
     r = _Reader(problems)
     r.table(raw, "", ["node", "mesh", "exit", "socks5", "http_proxy", "dns", "tun", "admin", "limits",
-                      "serve",
+                      "serve", "acl",
                       "log_level"])
 
     n = _section(r, raw, "node")
@@ -905,10 +919,94 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
     )
 
     serve = _read_serve(r, _section(r, raw, "serve"), base.serve)
+    acl = _read_acl(r, raw["acl"]) if "acl" in raw else base.acl
     _check_ports(r, socks5, dns, admin, http_proxy)
     if problems:
         raise ConfigError(problems)
-    return Config(node, mesh, exit_cfg, socks5, dns, tun, admin, limits, log_level, http_proxy, serve)
+    return Config(node, mesh, exit_cfg, socks5, dns, tun, admin, limits, log_level, http_proxy, serve, acl)
+
+
+def _read_acl(r: _Reader, raw: object) -> tuple[AclRule, ...]:
+    if not isinstance(raw, list):
+        r.problem("acl", "expected [[acl]] tables")
+        return ()
+    rules: list[AclRule] = []
+    for i, t in enumerate(raw):
+        prefix = f"acl[{i}]."
+        if not isinstance(t, dict):
+            r.problem(f"acl[{i}]", "expected a table with from, to and proto")
+            continue
+        r.table(t, prefix, ["from", "to", "proto"])
+        sources = r.items(t, prefix, "from", parse_acl_source)
+        dests = r.items(t, prefix, "to", parse_acl_dest)
+        proto = r.value(t, prefix, "proto", _choice("tcp", "udp", "any"), "any")
+        if not sources:
+            r.problem(f"{prefix}from", "required: who the rule is for, e.g. [\"group:laptops\"] or [\"*\"]")
+        if not dests:
+            r.problem(f"{prefix}to", "required: what it allows, e.g. [\"self:22\"] or [\"exit\"]")
+        if sources and dests:
+            rules.append(AclRule(sources, dests, proto))
+    return tuple(rules)
+
+
+def parse_acl_source(value: object) -> AclSource:
+    """`*`, `node:NAME`, `group:NAME` or a CIDR (or an address) the source's virtual IP is in."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("expected \"*\", \"node:NAME\", \"group:NAME\" or a CIDR")
+    text = value.strip()
+    if text == "*":
+        return ("*", "")
+    for kind in ("node", "group"):
+        if text.startswith(kind + ":"):
+            name = text[len(kind) + 1:]
+            if not name:
+                raise ValueError(f"{text!r}: a {kind} name after the colon")
+            return (kind, name)
+    try:
+        return ("cidr", ipaddress.ip_network(text, strict=False))
+    except ValueError:
+        raise ValueError(f"{text!r}: expected *, node:NAME, group:NAME or a CIDR") from None
+
+
+def _parse_ports(text: str, whole: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for part in text.split(","):
+        lo_s, _, hi_s = part.strip().partition("-")
+        try:
+            lo, hi = int(lo_s), int(hi_s or lo_s)
+        except ValueError:
+            raise ValueError(f"{whole!r}: ports are N, N-M or N,M,...") from None
+        if not 1 <= lo <= hi <= 65535:
+            raise ValueError(f"{whole!r}: ports 1-65535, low to high")
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def parse_acl_dest(value: object) -> AclDest:
+    """`*`, `self[:PORTS]`, `exit[:PORTS]`, `CIDR[:PORTS]` (IPv6: `[CIDR]:PORTS`)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("expected \"self:22\", \"10.1.2.0/24:80,443\", \"exit\" or \"*\"")
+    text = value.strip()
+    for kind in ("*", "self", "exit"):
+        if text == kind:
+            return (kind, None, ())
+        if text.startswith(kind + ":"):
+            return (kind, None, _parse_ports(text[len(kind) + 1:], text))
+    ports: tuple[tuple[int, int], ...] = ()
+    net_text = text
+    if text.startswith("["):
+        net_text, _, rest = text[1:].partition("]")
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError(f"{text!r}: expected [CIDR]:PORTS")
+            ports = _parse_ports(rest[1:], text)
+    elif text.count(":") == 1:
+        net_text, _, port_text = text.partition(":")
+        ports = _parse_ports(port_text, text)
+    try:
+        return ("cidr", ipaddress.ip_network(net_text, strict=False), ports)
+    except ValueError:
+        raise ValueError(f"{text!r}: expected self[:PORTS], exit[:PORTS], CIDR[:PORTS] or *") from None
 
 
 def _read_serve(

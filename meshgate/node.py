@@ -148,7 +148,11 @@ class Node:
             from meshgate.mesh.service import MeshService
 
             self.exit_rules = ExitRules(cfg)  # the node keeps it: a reload sets its [exit]
-            egress = connector(cfg, Dialer(resolver=self.resolver).resolve, rules=self.exit_rules)
+            from meshgate.egress.acl import source_in
+
+            # [[acl]] decides by who opened the stream, as the mesh (built next) authenticated it
+            egress = connector(cfg, Dialer(resolver=self.resolver).resolve, rules=self.exit_rules,
+                               identify=lambda nid: source_in(self._mesh(), nid, time.time()))
             self.mesh = MeshService(cfg, egress=egress)
             self.mesh_dialer = MeshDialer(cfg, self.mesh, egress, self._open_mesh_udp, **dial_kw)
             self.dialer = self.mesh_dialer
@@ -228,7 +232,7 @@ class Node:
                 # Every mesh node can be where SOCKS UDP leaves the mesh.
                 from meshgate.gateway.mesh_udp import UdpHub
 
-                self.udp_hub = UdpHub(self.config, self.mesh)
+                self.udp_hub = UdpHub(self.config, self.mesh, self.exit_rules)
 
     async def stop(self) -> None:
         self.trimmer.stop()
@@ -293,7 +297,13 @@ class Node:
             self.mesh.set_peers(new.mesh.peers)
         if changed & {"exit.allow", "exit.deny", "exit.allow_private"} and self.exit_rules is not None:
             self.exit_rules.set_exit(new.exit)
+        if changed & {"serve", "acl"} and self.exit_rules is not None:
+            self.exit_rules.set_access(new)
         self.config = new
+
+    def _mesh(self) -> MeshService:
+        assert self.mesh is not None
+        return self.mesh
 
     def status(self) -> dict[str, Any]:
         cfg = self.config.node

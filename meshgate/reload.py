@@ -25,6 +25,8 @@ LIVE: frozenset[str] = frozenset({
     "exit.deny",
     "exit.allow_private",
     "mesh.peers",
+    "serve",
+    "acl",
 })
 
 

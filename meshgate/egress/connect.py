@@ -19,6 +19,7 @@ from typing import Any
 
 from meshgate import replies
 from meshgate.config import Config
+from meshgate.egress.acl import Source
 from meshgate.egress.rules import ExitRules
 from meshgate.logs import RateLimitedLog
 from meshgate.mesh.splice import EgressConnect, ProtocolFactory
@@ -31,6 +32,9 @@ _rlog = RateLimitedLog(log)
 _refused = REGISTRY.counter(
     "meshgate_egress_refused_total", "Egress refused by policy where traffic leaves the mesh", ("reason",)
 )
+_acl_denied = REGISTRY.counter(
+    "meshgate_acl_denied_total", "Connections from the mesh no [[acl]] rule allows", ("proto",)
+)
 _egress = REGISTRY.counter("meshgate_egress_connects_total", "Egress connections by outcome", ("outcome",))
 
 # host, port -> the addresses to try (raises a ReplyError such as DialError when there are none)
@@ -38,7 +42,8 @@ Resolve = Callable[[str, int], Awaitable[list[IPAddress]]]
 
 
 def connector(
-    config: Config, resolve: Resolve, timeout: float | None = None, rules: ExitRules | None = None
+    config: Config, resolve: Resolve, timeout: float | None = None, rules: ExitRules | None = None,
+    identify: Callable[[int], Source] | None = None,
 ) -> EgressConnect:
     """The policy-checked egress for this node's config (checked against `rules`, made from the
     config when not given: the node hands its own so a reload can change `[exit]`)."""
@@ -46,10 +51,26 @@ def connector(
         rules = ExitRules(config)
     connect_timeout = timeout if timeout is not None else config.limits.socks5_connect_timeout
 
-    async def connect(host: str, port: int, factory: ProtocolFactory) -> tuple[asyncio.BaseTransport, Any]:
+    def admitted(source: int, dest: IPAddress | None, host: str, port: int) -> bool:
+        """[[acl]]: may `source` (a node, authenticated; 0 = our own users) reach this?"""
+        if not source or not rules.acl.active:
+            return True
+        src = identify(source) if identify is not None else Source(source)
+        if rules.acl.decide(src, dest, port, "tcp").allowed:
+            return True
+        _acl_denied.labels("tcp").inc()
+        _rlog.debug(f"acl:{source}:{host}", "access rules: %s (%08x) may not reach %s:%d over tcp",
+                    src.name or "?", source, host, port)
+        return False
+
+    async def connect(
+        host: str, port: int, factory: ProtocolFactory, source: int = 0
+    ) -> tuple[asyncio.BaseTransport, Any]:
         loop = asyncio.get_running_loop()
         ip = parse_ip(host)
         if ip is not None and ip in rules.own_ips:
+            if not admitted(source, None, host, port):
+                raise StreamError(replies.NOT_ALLOWED, f"access rules refuse {host}:{port} ([[acl]])")
             # The node's own virtual IP: only what [serve] publishes there
             served = rules.served_target(port)
             if served is None:
@@ -75,6 +96,8 @@ def connector(
                 allowed.append(a)
             else:
                 reason = reason or why
+        if allowed and not admitted(source, allowed[0], host, port):
+            raise StreamError(replies.NOT_ALLOWED, f"access rules refuse {host}:{port} ([[acl]])")
         if not allowed:
             _refused.labels("policy").inc()
             _rlog.debug(f"refused:{host}", "egress to %s:%d refused: %s", host, port, reason)
@@ -94,7 +117,9 @@ def connector(
 def local_connect(own_ips: set[str], timeout: float = 10.0) -> EgressConnect:
     """Connect from this host with no policy; the node's own virtual IPs mean 127.0.0.1 / ::1."""
 
-    async def connect(host: str, port: int, factory: ProtocolFactory) -> tuple[asyncio.BaseTransport, Any]:
+    async def connect(
+        host: str, port: int, factory: ProtocolFactory, source: int = 0
+    ) -> tuple[asyncio.BaseTransport, Any]:
         target = host
         if host in own_ips:
             target = "::1" if ipaddress.ip_address(host).version == 6 else "127.0.0.1"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 
 from meshgate.config import Config, ExitConfig, IPNetwork
+from meshgate.egress.acl import Acl
 from meshgate.policy import EgressPolicy, IPAddress, in_any
 
 
@@ -37,6 +38,12 @@ class ExitRules:
         self.own_nets = tuple(c.real for c in mesh.proxy_cidrs if c.real.prefixlen > 0)
         self._own_cidrs = [c for c in mesh.proxy_cidrs if c.real.prefixlen > 0]
         self.policy = EgressPolicy(config.exit, self._own_cidrs)
+        self.acl = Acl(config.acl, self.own_nets)
+
+    def set_access(self, config: Config) -> None:
+        """A reloaded [serve] and [[acl]]: streams and datagrams checked from now on use them."""
+        self.served = {port: (t.host, t.port) for port, t in config.serve}
+        self.acl = Acl(config.acl, self.own_nets)
 
     def set_exit(self, cfg: ExitConfig) -> None:
         """A reloaded `[exit]`: connections checked from now on use it (one assignment)."""

@@ -29,10 +29,12 @@ import ipaddress
 import logging
 import os
 import struct
+import time
 from collections.abc import Callable
 
 from meshgate.buffers import Buffer, BufferPool
 from meshgate.config import Config
+from meshgate.egress.acl import source_in
 from meshgate.egress.dialer import LocalUdpEgress
 from meshgate.egress.rules import ExitRules
 from meshgate.logs import RateLimitedLog
@@ -64,6 +66,7 @@ _DROP_TABLE = _DROPPED.labels("association_table_full")
 _DROP_TARGETS = _DROPPED.labels("targets_full")
 _DROP_UNKNOWN = _DROPPED.labels("unknown_association")
 _DROP_WRONG_NODE = _DROPPED.labels("reply_from_wrong_node")
+_DROP_ACL = _DROPPED.labels("acl")
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 OnDatagram = Callable[[Buffer, tuple[str, int]], None]
@@ -213,11 +216,12 @@ class _EgressAssoc:
 class UdpHub:
     """Both sides on one node: registered on the mesh's two UDP channels."""
 
-    def __init__(self, config: Config, mesh: MeshService) -> None:
+    def __init__(self, config: Config, mesh: MeshService, rules: ExitRules | None = None) -> None:
         self.mesh = mesh
         limits = config.limits
         self.loop: asyncio.AbstractEventLoop = asyncio.get_running_loop()
-        self.rules = ExitRules(config)
+        # the node's own rules (a reload changes [exit], [serve] and [[acl]] there for both paths)
+        self.rules = rules or ExitRules(config)
         self.idle = limits.socks5_udp_idle_timeout
         self.max_assocs = limits.mesh_udp_max_associations
         self.max_targets = limits.socks5_udp_max_targets
@@ -267,6 +271,7 @@ class UdpHub:
         self, key: tuple[int, int], entry: _EgressAssoc, asked: bytes, data: bytes
     ) -> tuple[int, tuple[str, int], int] | None:
         _, ip, port, _ = decode(data)  # head_len() checked the head
+        asked_port = port
         if ip in self.rules.own_ips:
             served = self.rules.served_target(port)  # only what [serve] publishes
             if served is None:
@@ -282,6 +287,14 @@ class UdpHub:
             if why is not None:
                 _DROP_POLICY.inc()
                 _rlog.debug(f"udp-policy:{real_ip}", "mesh UDP to %s:%d refused: %s", ip, port, why)
+                return None
+        if self.rules.acl.active:  # [[acl]], by the authenticated source
+            dest = None if ip in self.rules.own_ips else real_ip
+            src = source_in(self.mesh, key[0], time.time())
+            if not self.rules.acl.decide(src, dest, asked_port, "udp").allowed:
+                _DROP_ACL.inc()
+                _rlog.debug(f"udp-acl:{key[0]}", "access rules: %s (%08x) may not reach %s:%d over udp",
+                            src.name or "?", key[0], ip, asked_port)
                 return None
         if len(entry.asked) >= self.max_targets:
             _DROP_TARGETS.inc()

@@ -980,7 +980,7 @@ class MeshService:
         assert self.mux is not None
         to_mesh = SplicePipe(stream)
         try:
-            transport, _ = await self.egress_connect(host, port, lambda: to_mesh)
+            transport, _ = await self.egress_connect(host, port, lambda: to_mesh, stream.peer)
         except Exception as e:
             code = replies.for_exception(e)
             self.stats[f"egress_failed_{code}"] += 1
@@ -1075,5 +1075,7 @@ class MeshService:
         }
 
 
-async def _refuse_streams(host: str, port: int, factory: Any) -> tuple[asyncio.BaseTransport, Any]:
+async def _refuse_streams(
+    host: str, port: int, factory: Any, source: int = 0
+) -> tuple[asyncio.BaseTransport, Any]:
     raise StreamError(NOT_ALLOWED, f"this node serves no streams ({host}:{port})")

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 ProtocolFactory = Callable[[], asyncio.BaseProtocol]
-EgressConnect = Callable[[str, int, ProtocolFactory], Awaitable[tuple[asyncio.BaseTransport, Any]]]
+
+
+class EgressConnect(Protocol):
+    """Connect `host:port` for a stream that ends here; `source` is the node that opened it
+    (authenticated by the mesh), 0 for this node's own users (its access rules skip those)."""
+
+    def __call__(
+        self, host: str, port: int, factory: ProtocolFactory, source: int = 0
+    ) -> Awaitable[tuple[asyncio.BaseTransport, Any]]: ...
 
 
 class SplicePipe(asyncio.Protocol):

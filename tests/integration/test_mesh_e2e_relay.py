@@ -138,9 +138,9 @@ async def test_a_relay_cannot_speak_in_another_nodes_name(line: list[MeshService
     opened: list[str] = []
     original = c.egress_connect
 
-    async def egress(host: str, port: int, factory: Any) -> Any:
+    async def egress(host: str, port: int, factory: Any, source: int = 0) -> Any:
         opened.append(host)
-        return await original(host, port, factory)
+        return await original(host, port, factory, source)
 
     c.egress_connect = egress
     link = c.links[b.node_id][0]

@@ -147,9 +147,15 @@ async def test_two_hop_route_latency_follows_injected_ring_delays(d_ab: float, d
                 and _close(_route_us(a, c), ab + bc, 0.25, 150)
             )
 
-        await _wait(settled, 20, "latencies close to the injected delays", nodes)
-        route = _route_us(a, c)
-        assert rtt_ab + rtt_bc <= route <= (rtt_ab + rtt_bc) * 1.15 + 5000, _state(a, b, c)
+        def route_follows() -> bool:
+            # settled() holds the route only within 25% of the links; the route itself must also
+            # reach the injected delays' bounds. Under load the records lag the links for a while
+            # (asserting once right after settled() failed twice in full runs beside a busy core),
+            # so wait for both together; a route that never gets there still fails
+            route = _route_us(a, c)
+            return settled() and rtt_ab + rtt_bc <= route <= (rtt_ab + rtt_bc) * 1.15 + 5000
+
+        await _wait(route_follows, 20, "latencies and the route close to the injected delays", nodes)
         _check_shown(a, b, c)
     finally:
         await stop_all(nodes)

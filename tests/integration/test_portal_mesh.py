@@ -36,7 +36,10 @@ def cfg(name: str, ipv4: str, **sections: Any) -> Any:
         "socks5": {"enable": False},
     }
     for k, v in sections.items():
-        raw.setdefault(k, {}).update(v)
+        if isinstance(v, list):  # [[acl]]
+            raw[k] = v
+        else:
+            raw.setdefault(k, {}).update(v)
     return from_dict(raw)
 
 
@@ -333,3 +336,81 @@ async def test_with_exit_nodes_set_no_reachable_exit_means_refused_not_direct(tm
     finally:
         server.close()
         await a.stop()
+
+
+async def test_access_rules_at_the_node_where_traffic_ends(tmp_path: Any) -> None:
+    """c allows node a to reach its published port over TCP only; nothing else (the mapped
+    proxy CIDR, UDP) passes once a rule exists: 0x02 for CONNECT, a counted drop for UDP."""
+    import socket
+
+    from tests.helpers import UdpEcho
+    from tests.integration.test_socks5_server import read_reply, request, udp_header
+
+    b = await start(cfg("b", "10.144.3.2/24", node={"state_dir": str(tmp_path / "b")},
+                        mesh={"listen": ["tcp://127.0.0.1:0"]}))
+    url = b.mesh.listen_addrs[0]
+    c = await start(cfg("c", "10.144.3.3/24", node={"state_dir": str(tmp_path / "c")}, serve=SERVE,
+                        mesh={"peers": [url], "exit_node": True,
+                              "proxy_cidrs": ["127.0.0.0/24->10.2.2.0/24"]},
+                        acl=[{"from": ["node:a"], "to": [f"self:{SERVED}"], "proto": "tcp"}]))
+    a = await start(cfg("a", "10.144.3.1/24", node={"state_dir": str(tmp_path / "a")},
+                        mesh={"peers": [url], "exit_nodes": ["auto"], "direct_fallback": False},
+                        socks5={"enable": True, "listen": "127.0.0.1:0"}))
+    nodes = {"a": a, "b": b, "c": c}
+    server, port = await echo_server()
+    echo = UdpEcho("127.0.0.1", prefix=b"echo:", port=SERVED)
+    try:
+        ids = {n.mesh.node_id for n in nodes.values()}
+        await async_wait_until(lambda: all(ids <= set(n.mesh.table.hop_paths) for n in nodes.values()),
+                               15, "routes to converge")
+        proxy = portal(nodes)
+        denied = REGISTRY.value("meshgate_acl_denied_total", "tcp")
+        assert await roundtrip(proxy, "10.144.3.3", port, b"allowed") == b"echo:allowed"
+        with pytest.raises(ProxyError) as ei:  # c's mapped CIDR: no rule allows it
+            await proxy.connect(dest_host="10.2.2.1", dest_port=port, timeout=10)
+        assert ei.value.error_code == 0x02
+        assert REGISTRY.value("meshgate_acl_denied_total", "tcp") == denied + 1
+        # UDP to the published port: the rule is for tcp
+        svc = next(s for s in a.services if s.name == "socks5")
+        addr = svc.address  # type: ignore[attr-defined]
+        client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        client.bind(("127.0.0.1", 0))
+        reader, writer = await asyncio.open_connection(addr.host, addr.port)
+        writer.write(b"\x05\x01\x00")
+        assert await reader.readexactly(2) == b"\x05\x00"
+        writer.write(request(3, 1, bytes(4), 0))
+        rep, _atyp, bnd, rport = await read_reply(reader)
+        assert rep == 0
+        dropped = REGISTRY.value("meshgate_mesh_udp_dropped_total", "acl")
+        hdr = udp_header(1, socket.inet_aton("10.144.3.3"), SERVED)
+        client.sendto(hdr + b"udp", (socket.inet_ntoa(bnd), rport))
+        await async_wait_until(
+            lambda: REGISTRY.value("meshgate_mesh_udp_dropped_total", "acl") == dropped + 1,
+            what="the UDP datagram refused by c's rules")
+        assert echo.received == []
+        writer.close()
+        client.close()
+    finally:
+        server.close()
+        echo.close()
+        for n in (a, c, b):
+            await n.stop()
+
+
+async def test_serve_and_acl_are_reloaded_into_the_rules_both_paths_use() -> None:
+    """[serve] and [[acl]] change by reload (no restart): the plan applies them, and the one
+    ExitRules the CONNECT and UDP paths share takes the new ones."""
+    from meshgate.egress.acl import Source
+    from meshgate.egress.rules import ExitRules
+    from meshgate.reload import diff
+
+    old = cfg("c", "10.144.4.3/24")
+    new = cfg("c", "10.144.4.3/24", serve=SERVE, acl=[{"from": ["node:a"], "to": [f"self:{SERVED}"]}])
+    plan = diff(old, new)
+    assert set(plan.changed) == {"serve", "acl"} and not plan.restart
+    rules = ExitRules(old)
+    assert rules.served_target(SERVED) is None and not rules.acl.active
+    rules.set_access(new)
+    assert rules.served_target(SERVED) == ("127.0.0.1", SERVED)
+    assert rules.acl.decide(Source(1, "a"), None, SERVED, "tcp").allowed
+    assert not rules.acl.decide(Source(2, "b"), None, SERVED, "tcp").allowed
