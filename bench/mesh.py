@@ -159,6 +159,7 @@ class Children:
             f'[node]\nname = "{name}"\nnetwork = "bench"\nsecret = "bench secret"\nipv4 = "{ip}/24"\n'
             f'state_dir = "{state}"\n[mesh]\nlisten = ["{s}://127.0.0.1:{port}"]\npeers = [{peer_list}]\n'
             f"[socks5]\nenable = false\n[admin]\nenable = false\n"
+            f'[serve]\n{self.sink_port} = "127.0.0.1:{self.sink_port}"\n'  # the sink, at C's virtual IP
         )
         return subprocess.Popen(
             [sys.executable, "-m", "meshgate", "run", "-c", str(cfg), "--log-level", "warning"],
@@ -531,6 +532,7 @@ class PortalLine:
             # must fail, not leave this host for an address outside loopback
             "direct_fallback = false\n"
             f"[socks5]\n{socks}\n[admin]\nenable = false\n"
+            f'[serve]\n{self.sink_port} = "127.0.0.1:{self.sink_port}"\n'  # the sink, at C's virtual IP
         )
         return subprocess.Popen(
             [sys.executable, "-m", "meshgate", "run", "-c", str(cfg), "--log-level", "warning"],

@@ -172,12 +172,24 @@ class MeshgateLine(Line):
             f'[node]\nname = "{node}"\nnetwork = "bench"\nsecret = "bench portal secret"\n'
             f'ipv4 = "{VIPS[node]}/24"\nstate_dir = "{state}"\n'
             f'[mesh]\nlisten = ["tcp://127.0.0.1:{self.ports[node]}"]\npeers = [{peers}]\n'
-            f"[socks5]\n{socks}\n[admin]\nenable = false\n{self.extra_toml}\n"
+            f"[socks5]\n{socks}\n[admin]\nenable = false\n{self.extra_toml}\n{_serve_toml(self.tree)}"
         )
         # cwd first on sys.path (-m): an extracted REF's package shadows the working tree's.
         argv = [sys.executable, "-m", "meshgate", "run", "-c", str(conf), "--loop", "uvloop"]
         port = self.socks[1] if node == "a" else self.ports[node]
         return Peer(f"{self.name}-{node}", argv, port=port, cwd=str(self.tree))
+
+
+SERVED_PORTS: list[int] = []  # the targets' ports: every meshgate node publishes them ([serve])
+
+
+def _serve_toml(tree: Path) -> str:
+    """[serve] for the targets on each node's virtual IP (EasyTier maps its own virtual IP to
+    its loopback whole; meshgate publishes port by port since [serve]). An older tree (--ab
+    REF) from before [serve] maps the whole loopback and would refuse the unknown table."""
+    if "_read_serve" not in (tree / "meshgate" / "config.py").read_text():
+        return ""
+    return "[serve]\n" + "".join(f'{p} = "127.0.0.1:{p}"\n' for p in SERVED_PORTS)
 
 
 class EasyTierLine(Line):
@@ -367,6 +379,7 @@ def main() -> int:
     # SIGTERM (timeout, CI) unwinds through `finally` so nodes and targets stop too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     targets = Targets()
+    SERVED_PORTS[:] = [targets.bulk_port, targets.rr_port]
     lines: dict[str, Line] = {}
     runners: list[Runner] = []
     try:
