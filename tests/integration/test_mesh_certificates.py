@@ -248,3 +248,44 @@ async def _has(admin: int, name: str) -> bool:
 async def _dropped_more(admin: int, reason: str, before: float) -> bool:
     text = await _aget(admin, "/metrics")
     return _metric(text, "meshgate_mesh_route_records_dropped_total", f'reason="{reason}"') > before
+
+
+async def test_moving_a_secret_mesh_to_certificates_node_by_node(tmp_path: Path) -> None:
+    """The migration of docs/OPERATIONS.md: a node with its certificate and
+    require_certificates = false links with a secret-only node (and holds certificate holders to
+    their certificates); once it requires certificates the secret-only node is refused."""
+    ca = TestCA(tmp_path)
+    secret = "migration test secret, long enough"
+    old = MeshService(from_dict({
+        "node": {"name": "old", "network": "testnet", "secret": secret, "ipv4": "10.144.144.9/24",
+                 "state_dir": str(tmp_path / "old")},
+        "mesh": {"listen": ["tcp://127.0.0.1:0"]},
+    }), identity=Identity.generate())
+    await old.start()
+
+    def moved(require: bool) -> MeshService:
+        ident = Identity.generate()
+        cert = ca.issue("new", ident, "10.144.144.8/24")
+        return MeshService(from_dict({
+            "node": {"name": "new", "network": "testnet", "secret": secret, "ipv4": "10.144.144.8/24",
+                     "state_dir": str(tmp_path / f"new-{require}"), "require_certificates": require,
+                     **ca.node_keys(cert)},
+            "mesh": {"peers": [old.listen_addrs[0]]},
+        }), identity=ident)
+
+    moving = moved(False)
+    await moving.start()
+    try:
+        await async_wait_until(lambda: old.node_id in moving.table.hop_paths
+                               and moving.node_id in old.table.hop_paths, 10, "the two to link")
+    finally:
+        await moving.stop()
+    strict = moved(True)
+    await strict.start()
+    try:
+        await async_wait_until(lambda: strict.stats["handshake_refused_no_certificate"] >= 1, 10,
+                               "the secret-only node refused")
+        assert old.node_id not in strict.table.hop_paths
+    finally:
+        await strict.stop()
+        await old.stop()
