@@ -32,6 +32,12 @@ BUILTIN_DENY: tuple[IPNetwork, ...] = tuple(
 )
 
 
+# The node's own loopback: reached only through a proxy CIDR that lies inside it (a deliberate
+# "proxy this loopback subnet"), never because a broader CIDR (0.0.0.0/1) or
+# exit.allow_private happens to cover it; [serve] is how a node publishes loopback services.
+LOOPBACK: tuple[IPNetwork, ...] = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+
+
 def parse_ip(text: str) -> IPAddress | None:
     """The address `text` names, or None for a host name."""
     try:
@@ -58,6 +64,12 @@ class EgressPolicy:
             addr = addr.ipv4_mapped  # judge ::ffff:a.b.c.d as a.b.c.d
         if in_any(addr, self.deny):
             return f"{addr} is in exit.deny"
+        if in_any(addr, LOOPBACK) and not any(
+            addr.version == n.version and addr in n and n.subnet_of(lo)  # type: ignore[arg-type]
+            for n in self.own for lo in LOOPBACK if lo.version == n.version
+        ):
+            return (f"{addr} is this node's loopback: only a proxy CIDR inside 127.0.0.0/8 (or ::1)"
+                    " reaches it; [serve] publishes loopback services")
         if in_any(addr, self.own):
             return None
         if not self.allow_private and in_any(addr, BUILTIN_DENY):
