@@ -414,3 +414,31 @@ async def test_serve_and_acl_are_reloaded_into_the_rules_both_paths_use() -> Non
     assert rules.served_target(SERVED) == ("127.0.0.1", SERVED)
     assert rules.acl.decide(Source(1, "a"), None, SERVED, "tcp").allowed
     assert not rules.acl.decide(Source(2, "b"), None, SERVED, "tcp").allowed
+
+
+async def test_an_exit_stopped_mid_session_means_refused_not_direct(tmp_path: Any) -> None:
+    """The exit goes away while the portal runs (exit_nodes = auto, direct_fallback on): new
+    connections get 0x03 once the route is withdrawn, none leaves from the portal's host."""
+    b = await start(cfg("b", "10.144.5.2/24", node={"state_dir": str(tmp_path / "b")},
+                        mesh={"listen": ["tcp://127.0.0.1:0"]}))
+    url = b.mesh.listen_addrs[0]
+    c = await start(cfg("c", "10.144.5.3/24", node={"state_dir": str(tmp_path / "c")},
+                        mesh={"peers": [url], "exit_node": True}, exit={"allow_private": True}))
+    a = await start(cfg("a", "10.144.5.1/24", node={"state_dir": str(tmp_path / "a")},
+                        mesh={"peers": [url], "exit_nodes": ["auto"], "direct_fallback": True},
+                        socks5={"enable": True, "listen": "127.0.0.1:0"}))
+    server, port = await echo_server()
+    try:
+        await async_wait_until(lambda: a.mesh.table.exit_route() is not None, 15, "a to see c's exit")
+        proxy = portal({"a": a})
+        direct_before = routed("direct")
+        await c.stop()
+        await async_wait_until(lambda: a.mesh.table.exit_route() is None, 15, "the exit withdrawn")
+        with pytest.raises(ProxyError) as ei:
+            await proxy.connect(dest_host="127.0.0.1", dest_port=port, timeout=10)
+        assert ei.value.error_code == 0x03
+        assert routed("direct") == direct_before  # nothing left from a's host
+    finally:
+        server.close()
+        for n in (a, b):
+            await n.stop()
