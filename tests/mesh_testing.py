@@ -62,6 +62,24 @@ async def start_node(cfg: Config, identity: Identity | None = None) -> MeshServi
     return svc
 
 
+async def ring_line() -> list[MeshService]:
+    """a - b - c on ring links (b listens on two rings; a and c share no link), converged:
+    traffic between a and c is relayed by b. Stop them with stop_all."""
+    from tests.helpers import async_wait_until
+
+    r1, r2 = ring_name(), ring_name()
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=[f"ring://{r1}", f"ring://{r2}"]))
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[f"ring://{r1}"]))
+    c = await start_node(node_config("c", "10.9.0.3/24", peers=[f"ring://{r2}"]))
+    nodes = [a, b, c]
+    try:
+        await async_wait_until(lambda: converged(nodes), 10, "routes")
+    except BaseException:
+        await stop_all(nodes)
+        raise
+    return nodes
+
+
 def unused_id(nodes: Iterable[MeshService]) -> int:
     """A non-zero 32-bit node id that none of `nodes` has (for "unknown node" tests)."""
     taken = {n.node_id for n in nodes}

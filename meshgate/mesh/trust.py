@@ -75,6 +75,20 @@ class Trust:
         certs.check_current(cert, ca, int(now), self.revoked)
         return cert
 
+    def certificate_for(self, raw: bytes, public: bytes, now: float) -> Certificate | str | None:
+        """What a peer's certificate (possibly empty) proves for `public`: the certificate, None
+        when none is needed (secret mode, or none shown while require_certificates is false), or
+        why it is refused: no_certificate, wrong_key, or the certificate's own reason."""
+        if not self.certificate_mode or not (raw or self.require):
+            return None
+        if not raw:
+            return "no_certificate"
+        try:
+            cert = self.certificate(raw, int(now))
+        except CertError as e:
+            return e.reason
+        return cert if cert.public == public else "wrong_key"
+
     def usable(self, raw: bytes, now: int) -> bool:
         try:
             self.certificate(raw, now)
@@ -99,16 +113,9 @@ class Trust:
             key[:32], hello.signature, hello_signed_data(handshake_hash, peer_initiated)
         ):
             return "bad_signature"
-        cert: Certificate | None = None
-        if self.certificate_mode and (hello.cert or self.require):
-            if not hello.cert:
-                return "no_certificate"
-            try:
-                cert = self.certificate(hello.cert, int(now))
-            except CertError as e:
-                return e.reason
-            if cert.public != key:
-                return "wrong_key"
+        cert = self.certificate_for(hello.cert, key, now)
+        if isinstance(cert, str):
+            return cert
         return PeerIdentity(hello.node_id, hashlib.sha256(key).hexdigest(), cert)
 
     def check_e2e_peer(self, public: bytes, cert: bytes, held_key: bytes, now: float) -> str | None:
@@ -117,16 +124,8 @@ class Trust:
         certificate mode no_certificate, wrong_key or a certificate's reason."""
         if held_key and held_key != public:
             return "key_changed"
-        if self.certificate_mode and (cert or self.require):
-            if not cert:
-                return "no_certificate"
-            try:
-                c = self.certificate(cert, int(now))
-            except CertError as e:
-                return e.reason
-            if c.public != public:
-                return "wrong_key"
-        return None
+        checked = self.certificate_for(cert, public, now)
+        return checked if isinstance(checked, str) else None
 
     # ------------------------------------------------------------ route records
 
@@ -144,16 +143,9 @@ class Trust:
             return "future_version"
         if not verify(rec.key[:32], rec.signature, rec.signed_part):
             return "bad_signature"
-        if not self.certificate_mode or not (rec.cert or self.require):
-            return None
-        if not rec.cert:
-            return "no_certificate"
-        try:
-            cert = self.certificate(rec.cert, int(now))
-        except CertError as e:
-            return e.reason
-        if cert.public != rec.key:
-            return "wrong_key"
+        cert = self.certificate_for(rec.cert, rec.key, now)
+        if cert is None or isinstance(cert, str):
+            return cert
         return None if grants(cert, rec) else "not_granted"
 
     # ------------------------------------------------------------ revocation

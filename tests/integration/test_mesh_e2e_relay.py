@@ -24,20 +24,15 @@ from meshgate.mesh.frames import (
 from meshgate.mesh.service import CHANNEL, MeshService
 from meshgate.mesh.streams import encode_open
 from tests.helpers import async_wait_until
-from tests.mesh_testing import Collector, converged, node_config, ring_name, start_node, stop_all
+from tests.mesh_testing import Collector, ring_line, stop_all
 
 Frame = tuple[int, int, int, int, int, bytes]  # type, flags, hop, src, dst, body
 
 
 @pytest.fixture
 async def line() -> AsyncIterator[list[MeshService]]:
-    r1, r2 = ring_name(), ring_name()
-    b = await start_node(node_config("b", "10.9.0.2/24", listen=[f"ring://{r1}", f"ring://{r2}"]))
-    a = await start_node(node_config("a", "10.9.0.1/24", peers=[f"ring://{r1}"]))
-    c = await start_node(node_config("c", "10.9.0.3/24", peers=[f"ring://{r2}"]))
-    nodes = [a, b, c]
+    nodes = await ring_line()
     try:
-        await async_wait_until(lambda: converged(nodes), 10, "routes")
         yield nodes
     finally:
         await stop_all(nodes)

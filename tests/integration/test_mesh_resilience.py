@@ -10,7 +10,15 @@ from meshgate.mesh.link_ring import RingTransport
 from meshgate.mesh.service import MeshService
 from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
-from tests.mesh_testing import Collector, converged, node_config, ring_name, start_node, stop_all
+from tests.mesh_testing import (
+    Collector,
+    converged,
+    node_config,
+    ring_line,
+    ring_name,
+    start_node,
+    stop_all,
+)
 
 ip = ipaddress.ip_address
 
@@ -282,13 +290,9 @@ async def test_an_open_is_answered_the_way_it_came_before_the_routes_catch_up() 
 
     srv = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
-    r1, r2 = ring_name(), ring_name()
-    b = await start_node(node_config("b", "10.9.0.2/24", listen=[f"ring://{r1}", f"ring://{r2}"]))
-    a = await start_node(node_config("a", "10.9.0.1/24", peers=[f"ring://{r1}"]))
-    c = await start_node(node_config("c", "10.9.0.3/24", peers=[f"ring://{r2}"]))
-    nodes = [a, b, c]
+    nodes = await ring_line()
+    a, _, c = nodes
     try:
-        await async_wait_until(lambda: converged(nodes), 10, "routes")
         c.table.forget([a.node_id])  # c has not heard of a (yet)
         c.table.build()
         assert c.table.path(a.node_id) is None
