@@ -289,10 +289,14 @@ class LimitsConfig:
     dns_tcp_idle_timeout: float = 10.0
     dns_tcp_max_clients: int = 1024  # per DNS TCP/DoT/DoH listener
     dns_tcp_max_queries: int = 64  # pipelined queries in flight per TCP/DoT connection
+    # one client address cannot hold every DoH/ODoH slot; 0 = a quarter of dns_tcp_max_clients, at least 4
+    dns_tcp_max_clients_per_source: int = 0
     dns_upstream_max_connections: int = 4  # pooled connections per tcp/tls/https/quic upstream
     dns_upstream_max_queries: int = 64  # queries in flight on one upstream connection (streams for h2/DoQ)
     dns_upstream_idle_timeout: float = 30.0  # an upstream connection with nothing in flight this long closes
     doh_max_streams: int = 100
+    # seconds a DoH/ODoH request may take to arrive whole (header block, then body), from its first byte
+    doh_request_timeout: float = 5.0
     doq_max_streams: int = 64
     doq_stream_timeout: float = 5.0
     buffer_pool_size: int = 1024

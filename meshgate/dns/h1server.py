@@ -12,7 +12,15 @@ limits.doh_max_streams requests in flight per connection (beyond that the parser
 for more and the socket stops being read); the h1wire bounds (head 16 KiB: 431, body 65535: 413,
 POST without Content-Length: 411, Transfer-Encoding: 501, malformed: 400, each answered and the
 connection closed, counted under the listener's errors with a rate-limited debug line naming
-the peer). Connections: limits.dns_tcp_max_clients and limits.dns_tcp_idle_timeout, as HTTP/2.
+the peer). Connections: limits.dns_tcp_max_clients, limits.dns_tcp_max_clients_per_source and
+limits.dns_tcp_idle_timeout, as HTTP/2.
+
+A request that never ends is closed (issue 16 item 8): once bytes of a request are in and the
+parser wants more (it is not held back by the in-flight cap), the rest of that request (head and
+body) must arrive within limits.doh_request_timeout seconds, or the client gets 408 and the
+connection closes (`errors{reason="request_timeout"}`). Each byte resets the idle timer, so
+without this a client sending a byte every few seconds held its slot forever. The deadline runs
+only while a request is partly in: a pause between requests is the idle timer's business.
 
 Pooled buffers (docs/ARCHITECTURE.md): an answer's Buffer is written as a view after its
 header bytes, then released with buffers.release_when_drained: recycled once the transport
@@ -31,7 +39,8 @@ from typing import Any, cast
 
 from meshgate.buffers import Buffer, abandon_parked, drain_parked, release_when_drained
 from meshgate.config import LimitsConfig
-from meshgate.conns import IdleTimer, admit
+from meshgate.conns import MIN_REARM, IdleTimer
+from meshgate.dns.clients import ClientConns, admit_client
 from meshgate.dns.h1wire import H1Continue, H1Error, H1Preface, H1Request, H1Wire
 from meshgate.dns.h2server import H2ServerProtocol, Handler, Response, current_peer
 from meshgate.dns.listeners import serve_stream
@@ -86,6 +95,9 @@ class H1ServerProtocol(asyncio.Protocol):
         self.pump_scheduled = False
         self.tasks: set[asyncio.Task[None]] = set()
         self.heads: dict[tuple[Any, ...], bytes] = {}
+        self.partial_since: float | None = None  # when the request partly in began to arrive
+        self.deadline: asyncio.TimerHandle | None = None
+        self.request_timeout = limits.doh_request_timeout
         self.timer = IdleTimer(self.loop, limits.dns_tcp_idle_timeout, self._idle, busy=self.queue.__len__)
 
     # ------------------------------------------------------------------ connection
@@ -99,8 +111,7 @@ class H1ServerProtocol(asyncio.Protocol):
             self._to_h2(b"")
             return
         self.peer = transport.get_extra_info("peername")
-        if not admit(self.conns, self, self.limits.dns_tcp_max_clients):
-            self.stats.refused_connection(self.peer, len(self.conns))
+        if not admit_client(self.conns, self, self.peer, self.limits, self.stats):
             self.transport.abort()
             return
         self.timer.start()
@@ -110,6 +121,7 @@ class H1ServerProtocol(asyncio.Protocol):
         t = self.transport
         assert t is not None
         self.timer.cancel()
+        self._cancel_deadline()
         self.conns.discard(self)
         self.transport = None
         h2 = H2ServerProtocol(self.handler, self.stats, self.limits, self.conns)
@@ -123,9 +135,46 @@ class H1ServerProtocol(asyncio.Protocol):
         if t is not None and not t.is_closing():
             t.close()
 
+    def _cancel_deadline(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def _watch_partial(self, pulled: bool) -> None:
+        """After a pump: start, keep or end the deadline of a request partly in. `pulled`: a
+        request was taken this time (what is buffered now is the start of the next one)."""
+        if pulled:
+            self.partial_since = None
+        if self.wire.partial and not self.closing and len(self.queue) < self.max_inflight:
+            if self.partial_since is None:
+                self.partial_since = self.loop.time()
+                if self.deadline is None:
+                    self.deadline = self.loop.call_later(self.request_timeout, self._check_deadline)
+        else:
+            self.partial_since = None
+
+    def _check_deadline(self) -> None:
+        self.deadline = None
+        since = self.partial_since
+        if since is None or self.transport is None or self.closing:
+            return
+        left = since + self.request_timeout - self.loop.time()
+        if left > 0:
+            self.deadline = self.loop.call_later(max(left, MIN_REARM), self._check_deadline)
+            return
+        self._error("request_timeout", "request not finished in %.1f s (limits.doh_request_timeout)",
+                    self.request_timeout)
+        slot = _Slot(True, False)
+        slot.res = (408, _TEXT, b"408 Request Timeout\n")
+        self.queue.append(slot)
+        self.closing = True
+        self.partial_since = None
+        self._pump()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.conns.discard(self)
         self.timer.cancel()
+        self._cancel_deadline()
         for slot in self.queue:
             if slot.res is not None:
                 _drop(slot.res[2])
@@ -173,10 +222,13 @@ class H1ServerProtocol(asyncio.Protocol):
 
     def _pump(self) -> None:
         self.pump_scheduled = False
+        pulled = False
         while self.transport is not None:
-            self._pull()
+            pulled = self._pull() or pulled
             if not self._flush() or self.closing:
                 break
+        if self.transport is not None:
+            self._watch_partial(pulled)
         self._reading()
 
     def _schedule_pump(self) -> None:
@@ -185,14 +237,17 @@ class H1ServerProtocol(asyncio.Protocol):
             self.pump_scheduled = True
             self.loop.call_soon(self._pump)
 
-    def _pull(self) -> None:
+    def _pull(self) -> bool:
+        """Take what the parser has, up to the in-flight cap; whether a request came."""
         wire = self.wire
         queue = self.queue
+        pulled = False
         while not self.closing and len(queue) < self.max_inflight:
             ev = wire.next_event()
             if ev is None:
-                return
+                return pulled
             if type(ev) is H1Request:
+                pulled = True
                 self._request(ev)
             elif type(ev) is H1Continue:
                 if not queue and self.transport is not None:  # never ahead of an earlier answer
@@ -206,12 +261,13 @@ class H1ServerProtocol(asyncio.Protocol):
             elif type(ev) is H1Preface:
                 if self.alpn is None and not queue:
                     self._to_h2(wire.rest())
-                    return
+                    return pulled
                 self._error("h1_malformed", "HTTP/2 preface after ALPN %r", self.alpn)
                 slot = _Slot(True, False)
                 slot.res = (400, _TEXT, b"400 Bad Request\n")
                 queue.append(slot)
                 self.closing = True
+        return pulled
 
     def _request(self, req: H1Request) -> None:
         slot = _Slot(not req.keep_alive, req.method == "HEAD")
@@ -320,7 +376,7 @@ async def start_https(handler: Handler, stats: ListenerStats, limits: LimitsConf
                       ssl: Any, *, reuse_port: bool = False) -> tuple[asyncio.Server, set[Any]]:
     """A DoH/ODoH server for `handler`: HTTP/1.1 and HTTP/2 on one port (ALPN, see above). The
     set holds the live connections of either protocol."""
-    conns: set[Any] = set()
+    conns = ClientConns(limits)
     server = await serve_stream(lambda: H1ServerProtocol(handler, stats, limits, conns), limits, host, port,
                                 ssl, reuse_port=reuse_port)
     return server, conns

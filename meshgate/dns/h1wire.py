@@ -94,6 +94,11 @@ class H1Wire:
     def buffered(self) -> int:
         return len(self._buf)
 
+    @property
+    def partial(self) -> bool:
+        """Part of a request is in (bytes of its head, or a head whose body is not all here)."""
+        return not self._done and (bool(self._buf) or self._head is not None)
+
     def rest(self) -> bytes:
         """The bytes not parsed (after H1Preface: the HTTP/2 connection's first bytes)."""
         out = bytes(self._buf)

@@ -19,7 +19,18 @@ Bounds: request bodies ≤ 65535 bytes (413), header block ≤ 16 KiB, concurren
 streams ≤ limits.doh_max_streams *counting streams the client reset while
 their handler still runs* (HTTP/2 Rapid Reset, CVE-2023-44487, and
 MadeYouReset, CVE-2025-8671); a client that keeps hitting the cap is sent
-GOAWAY(ENHANCE_YOUR_CALM). Connections ≤ limits.dns_tcp_max_clients.
+GOAWAY(ENHANCE_YOUR_CALM). Connections ≤ limits.dns_tcp_max_clients, and ≤
+limits.dns_tcp_max_clients_per_source from one client address (meshgate.dns.clients).
+
+A request that never ends is closed (issue 16 item 8): a stream whose request (HEADERS, then
+DATA up to END_STREAM) is not all in limits.doh_request_timeout seconds after its HEADERS gets
+408 and a RST_STREAM(NO_ERROR) (h2wire does that for any answer before the request's end); a
+header block left open (HEADERS without END_HEADERS, CONTINUATIONs that stop) that long closes
+the connection with GOAWAY(ENHANCE_YOUR_CALM), since nothing else may be sent on it meanwhile.
+Both count `errors{reason="request_timeout"}`. One timer per connection, armed only while
+something waits for the client (a GET with END_STREAM arms none). The idle timer
+(limits.dns_tcp_idle_timeout) counts a connection whose only streams wait for their client as
+idle, and is reset by requests only: PINGs and SETTINGS keep nothing open.
 """
 
 from __future__ import annotations
@@ -35,8 +46,9 @@ import hpack
 
 from meshgate.buffers import Buffer
 from meshgate.config import LimitsConfig
-from meshgate.conns import IdleTimer, admit
+from meshgate.conns import MIN_REARM, IdleTimer
 from meshgate.dns import h2wire, hpack_speedup
+from meshgate.dns.clients import ClientConns, admit_client
 from meshgate.dns.h2wire import H2ConnectionError, H2Wire
 from meshgate.dns.listeners import serve_stream
 from meshgate.dns.stats import ListenerStats
@@ -51,6 +63,7 @@ Handler = Callable[[str, str, list[tuple[str, str]], bytes], Response | Awaitabl
 
 MAX_BODY = 65535
 MAX_HEADER_LIST = 16384
+_TIMEOUT = (408, [("content-type", "text/plain; charset=utf-8")], b"request not received in time\n")
 current_peer: contextvars.ContextVar[Any] = contextvars.ContextVar("current_peer", default=None)
 
 # The server decodes every request's header block with hpack: Huffman decoding a byte per step
@@ -246,7 +259,8 @@ def request_head(headers: Any) -> Head | None:
 
 
 class _Stream:
-    __slots__ = ("body", "headers", "method", "off", "out", "path", "reset", "responded", "running")
+    __slots__ = ("body", "headers", "method", "off", "out", "path", "reset", "responded", "running", "since",
+                 "waiting")
 
     def __init__(self, method: str, path: str, headers: list[tuple[str, str]]) -> None:
         self.method = method
@@ -258,6 +272,8 @@ class _Stream:
         self.responded = False
         self.out: Body | None = None  # response body not yet all framed (waits for window)
         self.off = 0
+        self.waiting = False  # the request has not ended (its body is still to come)
+        self.since = 0.0  # when its HEADERS came (for limits.doh_request_timeout)
 
 
 def _body_len(body: Body) -> int:
@@ -286,8 +302,11 @@ class H2ServerProtocol(asyncio.Protocol):
         self.flush_scheduled = False
         self.out: list[bytes] = []  # finished responses waiting for the flush at the end of the read
         self.tasks: set[asyncio.Task[None]] = set()
-        self.timer = IdleTimer(self.loop, limits.dns_tcp_idle_timeout, self._idle,
-                               busy=self.streams.__len__)
+        self.waiting = 0  # streams whose request has not ended: the client owes them bytes
+        self.block_since: float | None = None  # when the open header block began
+        self.deadline: asyncio.TimerHandle | None = None
+        self.request_timeout = limits.doh_request_timeout
+        self.timer = IdleTimer(self.loop, limits.dns_tcp_idle_timeout, self._idle, busy=self._busy)
 
     # ------------------------------------------------------------------ connection
 
@@ -296,8 +315,7 @@ class H2ServerProtocol(asyncio.Protocol):
         # assert here killed every TLS connection under `meshgate run` (uvloop).
         self.transport = cast(asyncio.Transport, transport)
         self.peer = transport.get_extra_info("peername")
-        if not admit(self.conns, self, self.limits.dns_tcp_max_clients):
-            self.stats.refused_connection(self.peer, len(self.conns))
+        if not admit_client(self.conns, self, self.peer, self.limits, self.stats):
             self.transport.abort()
             return
         ssl_obj = transport.get_extra_info("ssl_object")
@@ -313,6 +331,11 @@ class H2ServerProtocol(asyncio.Protocol):
         self._flush()
         self.timer.start()
 
+    def _busy(self) -> bool:
+        # Streams waiting for their client do not keep the connection open; ours (a handler
+        # running, an answer waiting for window) do.
+        return len(self.streams) > self.waiting
+
     def _idle(self) -> None:
         t = self.transport
         if t is not None and not t.is_closing():
@@ -320,9 +343,52 @@ class H2ServerProtocol(asyncio.Protocol):
             self._flush()
             t.close()
 
+    def _arm_deadline(self) -> None:
+        """After a read: watch what waits for the client (streams, an open header block)."""
+        if self.conn.header_block_open:
+            if self.block_since is None:
+                self.block_since = self.loop.time()
+        else:
+            self.block_since = None
+        if self.deadline is None and (self.waiting or self.block_since is not None):
+            self.deadline = self.loop.call_later(self.request_timeout, self._check_deadlines)
+
+    def _check_deadlines(self) -> None:
+        self.deadline = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        now = self.loop.time()
+        late = now - self.request_timeout
+        if self.block_since is not None and self.block_since <= late:
+            self._error("request_timeout", "header block not finished in %.1f s (limits.doh_request_timeout)",
+                        self.request_timeout)
+            self._close(h2wire.ENHANCE_YOUR_CALM)
+            return
+        first = self.block_since
+        for sid, st in list(self.streams.items()):
+            if not st.waiting:
+                continue
+            if st.since <= late:
+                self._error("request_timeout", "request on stream %d not finished in %.1f s "
+                            "(limits.doh_request_timeout)", sid, self.request_timeout)
+                self._respond(sid, st, _TIMEOUT)
+            elif first is None or st.since < first:
+                first = st.since
+        self._flush()
+        if first is not None:
+            self.deadline = self.loop.call_later(max(first - late, MIN_REARM), self._check_deadlines)
+
+    def _not_waiting(self, st: _Stream) -> None:
+        if st.waiting:
+            st.waiting = False
+            self.waiting -= 1
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.conns.discard(self)
         self.timer.cancel()
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
         for st in self.streams.values():
             self._drop_out(st)
         self.streams.clear()
@@ -371,7 +437,6 @@ class H2ServerProtocol(asyncio.Protocol):
     # ------------------------------------------------------------------ events
 
     def data_received(self, data: bytes) -> None:
-        self.timer.touch()
         try:
             events = self.conn.receive(data)
         except H2ConnectionError as e:
@@ -410,8 +475,11 @@ class H2ServerProtocol(asyncio.Protocol):
             if self.conn.closed:  # we sent GOAWAY (rapid reset)
                 return
         self._flush()
+        if self.waiting or self.conn.header_block_open or self.block_since is not None:
+            self._arm_deadline()
 
     def _request(self, sid: int, raw_headers: Any, ended: bool) -> None:
+        self.timer.touch()
         if self.active >= self.max_streams:
             self.conn.reset(sid, h2wire.REFUSED_STREAM)
             self.refused += 1
@@ -439,8 +507,13 @@ class H2ServerProtocol(asyncio.Protocol):
             return
         if ended:
             self._dispatch(sid, st)
+        else:
+            st.waiting = True
+            st.since = self.loop.time()
+            self.waiting += 1
 
     def _dispatch(self, sid: int, st: _Stream) -> None:
+        self._not_waiting(st)
         if current_peer.get() is not self.peer:  # a set() costs a new context mapping each time
             current_peer.set(self.peer)
         try:
@@ -487,6 +560,7 @@ class H2ServerProtocol(asyncio.Protocol):
             _release(body, ok=False)
             return
         st.responded = True
+        self._not_waiting(st)
         if st.reset or self.transport is None or self.transport.is_closing() or sid not in self.conn.streams:
             _release(body, ok=False)
             self._finish(sid)
@@ -553,8 +627,10 @@ class H2ServerProtocol(asyncio.Protocol):
             st.out = None
 
     def _finish(self, sid: int) -> None:
-        if self.streams.pop(sid, None) is not None:
+        st = self.streams.pop(sid, None)
+        if st is not None:
             self.active -= 1
+            self._not_waiting(st)
 
 
 def _release(body: Body, ok: bool) -> None:
@@ -567,7 +643,7 @@ def _release(body: Body, ok: bool) -> None:
 
 async def start_h2(handler: Handler, stats: ListenerStats, limits: LimitsConfig, host: str, port: int,
                    ssl: Any, *, reuse_port: bool = False) -> tuple[asyncio.Server, set[H2ServerProtocol]]:
-    conns: set[H2ServerProtocol] = set()
+    conns = ClientConns(limits)
     server = await serve_stream(lambda: H2ServerProtocol(handler, stats, limits, conns), limits, host, port,
                                 ssl, reuse_port=reuse_port)
     return server, conns

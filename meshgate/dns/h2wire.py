@@ -124,6 +124,12 @@ class H2Wire:
         self._block_bad = False
         self._block_frames = 0
 
+    @property
+    def header_block_open(self) -> bool:
+        """A HEADERS frame came without END_HEADERS and its CONTINUATIONs are not all in (the
+        connection can carry nothing else until they are: the server puts a deadline on it)."""
+        return self._block is not None
+
     # ------------------------------------------------------------------ output
 
     def initiate(self) -> None:
