@@ -136,6 +136,11 @@ class MeshConfig:
     exit_node: bool = False
     exit_nodes: tuple[str, ...] = ()
     direct_fallback: bool = True
+    # NAT traversal (mesh/traversal.py) through this node's udp:// listener: direct links to
+    # nodes reached through a relay
+    traversal: bool = True
+    traversal_keepalive: float = 25.0  # endpoint refresh to udp:// neighbours; holds NAT mappings (< 30 s)
+    traversal_idle: float = 300.0  # a direct link made by traversal that carried no traffic this long closes
 
 
 @dataclass(frozen=True)
@@ -268,6 +273,11 @@ class LimitsConfig:
     handshake_timeout: float = 5.0
     route_records: int = 4096
     mesh_ping_interval: float = 1.0  # link pings (latency, liveness)
+    traversal_probes_per_minute: int = 60  # NAT traversal probes to one node in any minute, at most
+    traversal_pairs: int = 256  # nodes this node keeps punching state for (least recently used goes)
+    traversal_backoff_max: float = 300.0  # seconds between failed traversal attempts grow up to this
+    # IP TTL of the first probe round (opens our NAT, dies before the far one); 64: every round full
+    traversal_first_ttl: int = 2
     mesh_dead_after: float = 5.0  # a link silent this long is closed and its routes withdrawn
     mesh_route_expiry: float = 60.0  # records of unreachable nodes are forgotten after this
     mesh_link_buffer: int = 4194304  # bytes queued on a link above which datagrams are dropped
@@ -284,6 +294,8 @@ class LimitsConfig:
     udp_link_fragment_datagrams: bool = True  # udp:// links: big datagrams in pieces; false: reliable channel
     tun_read_batch: int = 256  # packets read from the TUN device per loop wake-up before yielding
     tun_write_queue: int = 4096  # mesh packets queued for the TUN device within one loop tick
+    # flows a TUN node with [[acl]] remembers (new ones allowed by a rule, and its own), LRU; ~300 B each
+    tun_conntrack_max: int = 16384
     dns_timeout: float = 3.0
     dns_max_inflight: int = 4096
     dns_tcp_idle_timeout: float = 10.0
@@ -830,6 +842,11 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         exit_node=r.value(m, "mesh.", "exit_node", _parse_bool, base.mesh.exit_node),
         exit_nodes=r.items(m, "mesh.", "exit_nodes", _exit_node_ref) or base.mesh.exit_nodes,
         direct_fallback=r.value(m, "mesh.", "direct_fallback", _parse_bool, base.mesh.direct_fallback),
+        traversal=r.value(m, "mesh.", "traversal", _parse_bool, base.mesh.traversal),
+        traversal_keepalive=r.value(
+            m, "mesh.", "traversal_keepalive", _positive_float, base.mesh.traversal_keepalive
+        ),
+        traversal_idle=r.value(m, "mesh.", "traversal_idle", _positive_float, base.mesh.traversal_idle),
     )
     if (mesh.listen or mesh.peers) and not node.secret and not node.certificate:
         r.problem("node.secret", "a network secret (or node.certificate) is required when mesh.listen"
@@ -943,7 +960,7 @@ def _read_acl(r: _Reader, raw: object) -> tuple[AclRule, ...]:
         r.table(t, prefix, ["from", "to", "proto"])
         sources = r.items(t, prefix, "from", parse_acl_source)
         dests = r.items(t, prefix, "to", parse_acl_dest)
-        proto = r.value(t, prefix, "proto", _choice("tcp", "udp", "any"), "any")
+        proto = r.value(t, prefix, "proto", _choice("tcp", "udp", "icmp", "any"), "any")
         if not sources:
             r.problem(f"{prefix}from", "required: who the rule is for, e.g. [\"group:laptops\"] or [\"*\"]")
         if not dests:

@@ -36,6 +36,9 @@ def node_config(
     limits: dict[str, Any] | None = None,
     **mesh: Any,
 ) -> Config:
+    # NAT traversal off unless a test asks for it: on loopback every pair can reach every
+    # other, so relayed topologies (what most mesh tests are about) would punch direct links
+    mesh.setdefault("traversal", False)
     raw: dict[str, Any] = {
         "node": {"name": name, "network": network, "secret": secret},
         "mesh": {"listen": list(listen), "peers": list(peers), **mesh},

@@ -59,6 +59,7 @@ E2E_RESP = 0x31  # Noise IK message 2
 SEALED = 0x32  # a stream frame sealed end to end (type and flags inside)
 DATAGRAM_SEALED = 0x33  # a datagram sealed end to end
 UNREACHABLE = 0x34  # from a relay: it could not deliver to a node (body: node id u32, code u8)
+TRAVERSAL = 0x35  # NAT traversal call: endpoints, "probe me now" (mesh/traversal.py); sealed when relayed
 # frames a udp:// link carries unreliably (everything else takes its reliable channel)
 UNRELIABLE = frozenset((DATAGRAM, DATAGRAM_SEALED))
 FRAME_NAMES = {
@@ -67,7 +68,7 @@ FRAME_NAMES = {
     STREAM_OPEN: "stream_open", STREAM_ACCEPT: "stream_accept", STREAM_DATA: "stream_data",
     STREAM_WINDOW: "stream_window", STREAM_FIN: "stream_fin", STREAM_RESET: "stream_reset",
     DATAGRAM: "datagram", E2E_INIT: "e2e_init", E2E_RESP: "e2e_resp", SEALED: "sealed",
-    DATAGRAM_SEALED: "datagram_sealed", UNREACHABLE: "unreachable",
+    DATAGRAM_SEALED: "datagram_sealed", UNREACHABLE: "unreachable", TRAVERSAL: "traversal",
 }
 # Link-local frames are consumed by the neighbour; everything else is routed end to end.
 LINK_LOCAL = frozenset((HELLO, PING, PONG, ROUTES, ROUTE_ACK, REVOCATION))

@@ -47,6 +47,7 @@ from meshgate.config import LimitsConfig, LinkUrl
 from meshgate.logs import RateLimitedLog
 from meshgate.mesh.frames import HELLO, LinkError
 from meshgate.mesh.links import LinkBase, LinkOwner
+from meshgate.mesh.traversal import KIND_PROBE
 from meshgate.mesh.tun_routes import mark_socket
 from meshgate.mesh.udp_session import KIND_DATA, KIND_INIT, UdpSession, is_init, payload_size, receiver_id
 from meshgate.metrics import REGISTRY, LocalCounter
@@ -69,6 +70,8 @@ ANC_SIZE = 256  # room for a GRO segment size and a packet-info message
 IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)
 IPV6_PKTINFO = getattr(socket, "IPV6_PKTINFO", 50)
 IPV6_RECVPKTINFO = getattr(socket, "IPV6_RECVPKTINFO", 49)
+IP_TTL = getattr(socket, "IP_TTL", 2)
+IPV6_HOPLIMIT = getattr(socket, "IPV6_HOPLIMIT", 52)
 Cmsg = tuple[int, int, bytes]
 
 _packets = REGISTRY.counter("meshgate_mesh_udp_link_packets_total", "Packets on udp:// links", ("direction",))
@@ -271,6 +274,29 @@ class UdpSocket:
             self._out.add(j - i)
             i = j
         self._out.flush()
+
+    def send_probe(self, addr: Any, packet: bytes, ttl: int = 0, src: Cmsg | None = None) -> bool:
+        """One NAT traversal probe, now (not queued behind link packets: a probe that waits is
+        late for the moment both ends agreed on); `ttl` > 0 sets its IP TTL / hop limit."""
+        if self.closed:
+            return False
+        anc: list[Cmsg] = []
+        if ttl > 0:
+            if self.sock.family == socket.AF_INET6:
+                anc.append((socket.IPPROTO_IPV6, IPV6_HOPLIMIT, struct.pack("=i", ttl)))
+            else:
+                anc.append((socket.IPPROTO_IP, IP_TTL, struct.pack("=i", ttl)))
+        if src is not None:
+            anc.append(src)
+        try:
+            self.sock.sendmsg((packet,), anc, 0, addr)
+        except OSError as e:
+            _dropped.labels("send_error").inc()
+            _rlog.debug(f"probe:{addr}", "udp probe to %s failed: %s", addr, e.strerror)
+            return False
+        self.sent += 1
+        self._out.add(1)
+        return True
 
     def _park(self, addr: Any, src: Cmsg | None, packets: list[bytes], start: int) -> None:
         room = self.queue_limit - len(self._queue)
@@ -564,6 +590,8 @@ class UdpListener:
         self.by_addr: dict[Any, UdpLink] = {}  # the newest session of each source address
         wildcard = sock.getsockname()[0] in ("0.0.0.0", "::")
         self.usock = UdpSocket(loop, sock, self._on_packet, limits, connected=False, pktinfo=wildcard)
+        # NAT traversal probes on this socket (mesh/traversal.py); None: dropped as unknown
+        self.on_probe: Callable[[memoryview, Any, Cmsg | None], None] | None = None
 
     @property
     def sockname(self) -> Any:
@@ -572,6 +600,9 @@ class UdpListener:
     def _on_packet(self, packet: memoryview, addr: Any, src: Cmsg | None) -> None:
         if packet and packet[0] == KIND_INIT:
             self._on_init(packet, addr, src)
+            return
+        if packet and packet[0] == KIND_PROBE and self.on_probe is not None:
+            self.on_probe(packet, addr, src)
             return
         rid = receiver_id(packet)
         link = self.by_id.get(rid) if rid is not None else None
@@ -612,6 +643,25 @@ class UdpListener:
         self.by_addr[addr] = link
         link.begin()
         link.datagram_received(packet)
+
+    def dial(self, addr: Any, make_link: LinkMaker, src: Cmsg | None = None) -> UdpLink | None:
+        """An initiator link from this socket (NAT traversal: the socket whose mapping the far
+        end answered), demultiplexed like the sessions it accepted; begun."""
+        if len(self.by_id) >= self.max_sessions:
+            _dropped.labels("table_full").inc()
+            return None
+        link = make_link(self.usock, addr)
+        if link is None:
+            return None
+        while link.local_id in self.by_id:
+            link.session.local_id = int.from_bytes(os.urandom(4), "big") or 1
+        link.on_gone = self._gone
+        link.on_roam = self._roamed
+        link.src = self._src_for(link, addr, src)
+        self.by_id[link.local_id] = link
+        self.by_addr.setdefault(addr, link)
+        link.begin()
+        return link
 
     def _src_for(self, link: UdpLink, addr: Any, src: Cmsg | None) -> Cmsg | None:
         if src is not None and not (link.sock.family == socket.AF_INET6 and addr[0].startswith("::ffff:")):

@@ -78,6 +78,8 @@ class LinkBase:
         self.drops_reported = (0, 0, 0)  # replayed, forged, malformed already counted
         self.write_paused = False
         self._failed = False
+        # 0: configured or accepted; traversal.LOCAL / REFLEXIVE: made by NAT traversal
+        self.traversal_kind = 0
 
     # ------------------------------------------------------------ for the carrier
 

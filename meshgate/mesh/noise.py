@@ -71,7 +71,8 @@ def public_key(private: bytes) -> bytes:
     return X25519PrivateKey.from_private_bytes(private).public_key().public_bytes_raw()
 
 
-def _dh(private: bytes, public: bytes) -> bytes:
+def dh(private: bytes, public: bytes) -> bytes:
+    """X25519; NoiseError for a low-order peer key (the shared secret would be all zero)."""
     try:
         peer = X25519PublicKey.from_public_bytes(public)
         return X25519PrivateKey.from_private_bytes(private).exchange(peer)
@@ -232,7 +233,7 @@ class HandshakeState:
             a, b = (s, re) if self.initiator else (e, rs)
         if a is None or b is None:
             raise NoiseError(f"missing key for {token}")
-        return _dh(a, b)
+        return dh(a, b)
 
     def write_message(self, payload: bytes = b"") -> bytes:
         if self.finished or not self.my_turn():

@@ -538,6 +538,20 @@ class StreamMux:
                 stream._lost(ConnectionResetError("mesh node unreachable"))
                 self.remove(stream)
 
+    def reset_peer(self, peer: int, code: int, keep: set[tuple[int, bool]]) -> int:
+        """Reset every stream with `peer` but those in `keep` ((sid, opened here) keys): each
+        end hears it (RESET sent), so neither waits for bytes that were lost. The count reset."""
+        n = 0
+        for key, stream in list(self.streams.items()):
+            if key[0] != peer or (key[1], key[2]) in keep:
+                continue
+            fut = self._opening.pop(key, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(StreamError(code, "link lost"))
+            stream.reset(code)
+            n += 1
+        return n
+
     def close_all(self) -> None:
         for stream in list(self.streams.values()):
             stream._lost(ConnectionAbortedError("mesh stopped"))

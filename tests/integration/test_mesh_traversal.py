@@ -1,0 +1,194 @@
+"""NAT traversal on loopback (no NAT): two nodes that only know a relay find a direct
+udp:// link by themselves, traffic takes it, and what an attacker sends is dropped.
+The NAT cases (port-restricted, symmetric, one LAN, a flushed mapping) are in
+tests/system/test_traversal_netns.py."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import os
+import socket
+import time
+
+from meshgate.mesh.frames import TRAVERSAL
+from meshgate.mesh.identity import Identity
+from meshgate.mesh.service import MeshService
+from meshgate.mesh.traversal import PING, encode_call, probe_key, seal_probe
+from meshgate.metrics import REGISTRY
+from tests.helpers import async_wait_until
+from tests.mesh_testing import Collector, converged, node_config, start_node, stop_all, write_all
+
+
+async def _line(traversal_a: bool = True, traversal_c: bool = True) -> list[MeshService]:
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], traversal=True))
+    url = b.listen_addrs[0]
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], traversal=traversal_a))
+    c = await start_node(node_config("c", "10.9.0.3/24", peers=[url], traversal=traversal_c))
+    await async_wait_until(lambda: converged([a, b, c]), 15, "a - b - c over udp://")
+    return [a, b, c]
+
+
+def _direct(x: MeshService, y: MeshService) -> bool:
+    return y.node_id in x.links and x.node_id in y.links
+
+
+async def _sha(src: MeshService, dst: MeshService, port: int, data: bytes) -> bytes:
+    transport, proto = await src.open_stream(dst.node_id, "127.0.0.1", port, Collector)
+    assert isinstance(proto, Collector)
+    await write_all(proto, data)
+    transport.write_eof()  # type: ignore[attr-defined]
+    return await asyncio.wait_for(proto.done, 60)
+
+
+async def _sha_server() -> tuple[asyncio.Server, int]:
+    async def echo_sha(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        h = hashlib.sha256()
+        while chunk := await r.read(1 << 16):
+            h.update(chunk)
+        w.write(h.digest())
+        await w.drain()
+        w.close()
+
+    srv = await asyncio.start_server(echo_sha, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+async def test_relayed_traffic_punches_a_direct_link_and_takes_it() -> None:
+    nodes = await _line()
+    a, _b, c = nodes
+    srv, port = await _sha_server()
+    try:
+        assert not _direct(a, c)
+        # the first stream goes through b and asks for a direct path
+        data = os.urandom(1 << 20)
+        assert await _sha(a, c, port, data) == hashlib.sha256(data).digest()
+        await async_wait_until(lambda: _direct(a, c), 10, "a direct link a - c by traversal")
+
+        def one_hop() -> bool:
+            route = a.lookup(ipaddress.ip_address("10.9.0.3"))
+            return route is not None and route.hops == 1 and route.next_hop == c.node_id
+
+        await async_wait_until(one_hop, 10, "a's route to c over the direct link")
+        paths = {p["name"]: p["path"] for p in a.peers()}
+        assert paths["b"] == "configured" and paths["c"].startswith("direct (traversal, ")
+        assert a.traversal is not None and a.traversal.stats.get("succeeded", 0) >= 1
+
+        relayed_before = REGISTRY.value("meshgate_mesh_frames_forwarded_total")
+        big = os.urandom(8 << 20)
+        assert await _sha(a, c, port, big) == hashlib.sha256(big).digest()
+        # nothing of it went through b
+        assert REGISTRY.value("meshgate_mesh_frames_forwarded_total") - relayed_before < 20
+        status = a.status()["traversal"]
+        assert isinstance(status, dict)
+        assert any(e.startswith("reflexive 127.0.0.1:") for e in status["endpoints"])
+    finally:
+        srv.close()
+        await stop_all(nodes)
+
+
+async def test_a_stream_open_when_the_direct_link_comes_keeps_the_relay_path() -> None:
+    """Bytes of a stream in flight through the relay must not be overtaken by later ones on
+    the new direct link: the stream stays on the relay, sha256 intact."""
+    nodes = await _line()
+    a, _b, c = nodes
+    srv, port = await _sha_server()
+    try:
+        data = os.urandom(24 << 20)
+        task = asyncio.ensure_future(_sha(a, c, port, data))
+        await async_wait_until(lambda: _direct(a, c) or task.done(), 20, "direct link during the transfer")
+        assert await task == hashlib.sha256(data).digest()
+        assert a.stats["streams_pinned"] >= 1 or c.stats["streams_pinned"] >= 1
+    finally:
+        srv.close()
+        await stop_all(nodes)
+
+
+async def test_traversal_off_never_probes() -> None:
+    nodes = await _line(traversal_a=False)
+    a, b, c = nodes
+    srv, port = await _sha_server()
+    try:
+        assert a.traversal is None and "mesh.traversal = false" in a.status()["traversal"]
+        assert b.traversal is not None and c.traversal is not None
+
+        def sent_by_others() -> int:  # probes b and c sent (one process: the metric is shared)
+            assert b.traversal is not None and c.traversal is not None
+            return sum(t.stats.get(k, 0) for t in (b.traversal, c.traversal)
+                       for k in ("discovery_pings", "pongs_out", "probes_out"))
+
+        before = REGISTRY.value("meshgate_mesh_traversal_probes_total", "out") - sent_by_others()
+        data = os.urandom(1 << 20)
+        for _ in range(3):
+            assert await _sha(a, c, port, data) == hashlib.sha256(data).digest()
+            assert await _sha(c, a, port, data) == hashlib.sha256(data).digest()
+        await asyncio.sleep(0)
+        # c calls a (its traffic is relayed), but a neither answers nor probes
+        assert not _direct(a, c)
+        assert c.traversal.stats.get("attempts", 0) >= 1 and c.traversal.stats.get("probes_out", 0) == 0
+        assert REGISTRY.value("meshgate_mesh_traversal_probes_total", "out") - sent_by_others() == before
+    finally:
+        srv.close()
+        await stop_all(nodes)
+
+
+async def test_forged_probes_and_calls_are_dropped_and_counted() -> None:
+    nodes = await _line()
+    a, b, c = nodes
+    try:
+        assert c.traversal is not None
+        port = c.traversal.port
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", 0))
+        now_ms = int(time.time() * 1000)
+
+        def dropped(reason: str) -> int:
+            return c.traversal.stats.get(f"dropped_{reason}", 0) if c.traversal else 0
+
+        # a stranger's key (not a member): no record to open it with
+        stranger = Identity.generate()
+        from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+        key = probe_key(stranger.dh_private, c.identity.public[32:], "testnet")
+        sock.sendto(seal_probe(ChaCha20Poly1305(key), stranger.node_id, PING, b"x" * 8, now_ms, c.node_id),
+                    ("127.0.0.1", port))
+        # a member's id, sealed with the wrong key (an attacker who knows a's id, not its key)
+        sock.sendto(seal_probe(ChaCha20Poly1305(key), a.node_id, PING, b"y" * 8, now_ms, c.node_id),
+                    ("127.0.0.1", port))
+        # a's real key: answered once, the same packet again is a replay
+        real = ChaCha20Poly1305(probe_key(a.identity.dh_private, c.identity.public[32:], "testnet"))
+        good = seal_probe(real, a.node_id, PING, b"z" * 8, now_ms, c.node_id)
+        sock.sendto(good, ("127.0.0.1", port))
+        sock.sendto(good, ("127.0.0.1", port))
+        # an old one (captured a minute ago)
+        old = seal_probe(real, a.node_id, PING, b"w" * 8, now_ms - 60_000, c.node_id)
+        sock.sendto(old, ("127.0.0.1", port))
+        await async_wait_until(
+            lambda: dropped("unknown_sender") >= 1 and dropped("bad_seal") >= 1 and dropped("replayed") >= 1
+            and dropped("stale") >= 1, 5, "each forged probe counted",
+        )
+        sock.settimeout(2)
+        answer, _ = sock.recvfrom(2048)  # the one genuine ping got its pong
+        assert answer[0] == 0x20
+        sock.settimeout(0.2)
+        try:
+            extra = sock.recvfrom(2048)
+        except TimeoutError:
+            extra = None
+        assert extra is None  # nothing answered the forged, replayed or stale ones
+
+        # a relay forging a call in a's name: unsealed, so dropped as such; nothing learned
+        before = c.stats["e2e_dropped_unsealed_relayed"]
+        link = b.links[c.node_id][0]
+        link.send_frame(TRAVERSAL, 0, 8, a.node_id, c.node_id, encode_call([(2, ("192.0.2.1", 9))], True))
+        await async_wait_until(lambda: c.stats["e2e_dropped_unsealed_relayed"] > before, 5,
+                               "forged call dropped")
+        pair = c.traversal.pairs.get(a.node_id, create=False)
+        assert pair is None or ("192.0.2.1", 9) not in pair.candidates
+        # and a malformed call from a genuine neighbour is counted, not a crash
+        link.send_frame(TRAVERSAL, 0, 8, b.node_id, c.node_id, b"\x01\x01\x09")
+        await async_wait_until(lambda: dropped("malformed") >= 1, 5, "malformed call counted")
+        sock.close()
+    finally:
+        await stop_all(nodes)
