@@ -38,8 +38,9 @@ from meshgate.buffers import BufferPool
 from meshgate.config import Config, ConfigError
 from meshgate.config import load as load_config
 from meshgate.egress.dialer import Dialer, OnDatagram, UdpEgress
+from meshgate.errors import StartupError
 from meshgate.memory import Trimmer
-from meshgate.reload import LIVE, diff
+from meshgate.reload import DNS_BLOCKLIST, DNS_UPSTREAMS, LIVE, MESH_EXITS, MESH_OFFERS, PORTAL_LIMITS, diff
 from meshgate.statedir import StateDirLock
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ class Node:
 
             # the same dialer: HTTP destinations route through the mesh as SOCKS5 CONNECT's do
             routes = self.mesh.routes if self.mesh is not None else None
-            self.http_proxy = HttpProxyService(cfg, self.dialer, routes)
+            self.http_proxy = HttpProxyService(cfg, self.dialer, routes, lambda: self.config)
             plan.append(self.http_proxy)
         if cfg.tun.enable:
             from meshgate.mesh.tun import TunService
@@ -250,15 +251,28 @@ class Node:
 
     # --- reload (docs/OPERATIONS.md, "Reloading the config")
 
-    def live_keys(self) -> frozenset[str]:
-        """reload.LIVE, less what this node cannot change live: dns.records where DNS worker
-        processes answer from their own copy, or with no DNS pipeline to hold them; mesh.peers
-        without a mesh running."""
+    def live_keys(self, new: Config | None = None) -> frozenset[str]:
+        """reload.LIVE, less what this node cannot change live:
+        - with no DNS pipeline: every DNS key (a restart builds one);
+        - with DNS worker processes (dns.workers > 1), which answer from their own copy of the
+          config: dns.records and [dns.blocklist]; dns.upstreams and [[dns.route]] stay live (a
+          worker sends every miss to this process, which routes it) unless `new` makes a question
+          fail over through more upstreams than a worker waits for (upstream_spans);
+        - with no mesh running: mesh.peers and the offers and exits; with TUN on, the offers and
+          exits too (its kernel routes and forwarding are set up at start)."""
         live = set(LIVE)
-        if self.resolver is None or self.config.dns.workers > 1:
-            live.discard("dns.records")
+        if self.resolver is None:
+            live -= {"dns.records", *DNS_UPSTREAMS, *DNS_BLOCKLIST}
+        elif self.config.dns.workers > 1:
+            from meshgate.dns.resolver import upstream_spans
+
+            live -= {"dns.records", *DNS_BLOCKLIST}
+            if new is not None and upstream_spans(new) > upstream_spans(self.config):
+                live -= DNS_UPSTREAMS
         if self.mesh is None:  # no mesh running to keep them: a restart builds one
-            live.discard("mesh.peers")
+            live -= {"mesh.peers", *MESH_OFFERS, *MESH_EXITS}
+        elif self.config.tun.enable:
+            live -= MESH_OFFERS | MESH_EXITS
         return frozenset(live)
 
     def reload(self) -> ReloadResult:
@@ -273,33 +287,58 @@ class Node:
         except ValueError as e:  # an adjustment's own check (cli.py: --doh/--doq/--dns)
             res = ReloadResult(False, problems=(f"--doh/--doq/--dns: {e}",))
         else:
-            plan = diff(self.config, new, self.live_keys())
-            res = ReloadResult(plan.ok and bool(plan.changed), plan.changed, plan.restart)
-            if plan.ok and plan.changed:
+            plan = diff(self.config, new, self.live_keys(new))
+            problems = self._check(new, frozenset(plan.changed)) if plan.ok else ()
+            res = ReloadResult(plan.ok and bool(plan.changed) and not problems, plan.changed, plan.restart,
+                               problems)
+            if res.applied:
                 self._apply(new, frozenset(plan.changed))
         level = logging.INFO if res.applied or not (res.problems or res.restart) else logging.WARNING
         log.log(level, "reload: %s", res.message.replace("\n", "; "))
         return res
 
+    def _check(self, new: Config, changed: frozenset[str]) -> tuple[str, ...]:
+        """What refuses a live change before anything is applied: offers the node's certificate
+        does not grant (certificate mode), as check-config would name them."""
+        if changed & MESH_OFFERS and self.mesh is not None:
+            try:
+                self.mesh.check_offers(new.mesh)
+            except StartupError as e:
+                return (f"{self.config_path or '-'}:{e}",)
+        return ()
+
     def _apply(self, new: Config, changed: frozenset[str]) -> None:
+        """Hand each change to the component that owns it. Every setter is checked beforehand
+        (config validation, `_check`) and only swaps what it holds, so none fails half-way."""
         if "log_level" in changed:
             logging.getLogger().setLevel(getattr(logging, new.log_level.upper(), logging.INFO))
         if "socks5.users" in changed:
             for portal in (self.socks5, self.http_proxy):
                 if portal is not None:
                     portal.set_users(new.socks5.users)
+        if changed & PORTAL_LIMITS:
+            for portal in (self.socks5, self.http_proxy):
+                if portal is not None:
+                    portal.set_limits(new.limits)
         if "dns.records" in changed:
             if self.resolver is not None:
                 self.resolver.set_records(new.dns.records)
             if self.mesh_dialer is not None:
                 self.mesh_dialer.set_records(new.dns.records)
+        if changed & DNS_UPSTREAMS and self.resolver is not None:
+            self.resolver.set_upstreams(new)
+        if changed & DNS_BLOCKLIST and self.resolver is not None:
+            self.resolver.set_blocklist(new.dns.blocklist)
         if "mesh.peers" in changed and self.mesh is not None:
             self.mesh.set_peers(new.mesh.peers)
-        if changed & {"exit.allow", "exit.deny", "exit.allow_private"} and self.exit_rules is not None:
-            self.exit_rules.set_exit(new.exit)
-        if changed & {"serve", "acl"} and self.exit_rules is not None:
-            self.exit_rules.set_access(new)
-        self.config = new
+        if changed & {"exit.allow", "exit.deny", "exit.allow_private", "serve", "acl", *MESH_OFFERS} \
+                and self.exit_rules is not None:
+            self.exit_rules.set_offers(new)  # before the record says so: a stream that arrives is served
+        if changed & (MESH_OFFERS | MESH_EXITS) and self.mesh is not None:
+            self.mesh.set_offers(new.mesh)
+        if changed & MESH_EXITS and self.mesh_dialer is not None:
+            self.mesh_dialer.set_exits(new.mesh)
+        self.config = new  # the PAC file, /config and SOCKS UDP's fallback read it
 
     def _mesh(self) -> MeshService:
         assert self.mesh is not None

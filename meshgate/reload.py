@@ -17,6 +17,17 @@ from typing import Any
 
 from meshgate.config import Config, HostPort, LinkUrl, ProxyCidr, User
 
+# what this node offers the mesh: its own route record carries them (re-originated)
+MESH_OFFERS = frozenset({"mesh.proxy_cidrs", "mesh.exit_node"})
+# how this node's portal picks where traffic leaves
+MESH_EXITS = frozenset({"mesh.exit_nodes", "mesh.direct_fallback"})
+DNS_UPSTREAMS = frozenset({"dns.upstreams", "dns.routes"})
+DNS_BLOCKLIST = frozenset({"dns.blocklist.lists", "dns.blocklist.allow", "dns.blocklist.answer",
+                           "dns.blocklist.refresh"})
+# [limits] the portals read when a timer is armed or a connection arrives (gateway/server.py)
+PORTAL_LIMITS = frozenset({"limits.socks5_handshake_timeout", "limits.socks5_idle_timeout",
+                           "limits.socks5_max_clients_per_source"})
+
 LIVE: frozenset[str] = frozenset({
     "log_level",
     "socks5.users",
@@ -25,8 +36,16 @@ LIVE: frozenset[str] = frozenset({
     "exit.deny",
     "exit.allow_private",
     "mesh.peers",
+    "mesh.proxy_cidrs",
+    "mesh.exit_node",
+    "mesh.exit_nodes",
+    "mesh.direct_fallback",
     "serve",
     "acl",
+    "dns.upstreams",
+    "dns.routes",
+    *DNS_BLOCKLIST,
+    *PORTAL_LIMITS,
 })
 
 

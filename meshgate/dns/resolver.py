@@ -35,10 +35,11 @@ from collections.abc import Callable
 from ipaddress import IPv4Address, IPv6Address
 
 from meshgate.buffers import Buffer, BufferPool
-from meshgate.config import Config
+from meshgate.config import Config, DnsBlocklistConfig
 from meshgate.dns import wire
 from meshgate.dns.blocklist import Blocklist
 from meshgate.dns.cache import AnswerCache
+from meshgate.dns.ratelimit import DROP, ClientRateLimit
 from meshgate.dns.querylog import QueryLog
 from meshgate.dns.routes import RouteTable, UpstreamGroup
 from meshgate.dns.stats import ListenerStats
@@ -85,6 +86,15 @@ def upstream_urls(config: Config) -> list[str]:
     return list(config.dns.upstreams) or resolv_conf_upstreams()
 
 
+def configured_upstreams(
+    config: Config, route: MeshRoute | None
+) -> tuple[list[Upstream], dict[str, list[Upstream]]]:
+    """The Upstream objects of dns.upstreams (else resolv.conf's) and of each [[dns.route]]."""
+    ups = [parse_upstream(u, limits=config.limits, route=route) for u in upstream_urls(config)]
+    return ups, {r.suffix: [parse_upstream(u, limits=config.limits, route=route) for u in r.upstreams]
+                 for r in config.dns.routes}
+
+
 def upstream_spans(config: Config) -> int:
     """The most upstreams one question may fail over through (dns.upstreams or any route's): a
     DNS worker waits that many timeouts for the main process's answer."""
@@ -107,27 +117,19 @@ class Pipeline:
         self.max_inflight = config.limits.dns_max_inflight
         self.pooled = pooled
         self.pool = BufferPool(BUFFER_CAPACITY, BUFFER_HEADROOM, config.limits.buffer_pool_size)
+        self.upstream_route = upstream_route
+        self._retired: list[Upstream] = []  # replaced by a reload, closed after a grace time
         if upstreams is None:
-            upstreams = [parse_upstream(u, limits=config.limits, route=upstream_route)
-                         for u in upstream_urls(config)]
-            if routes is None:
-                routes = {r.suffix: [parse_upstream(u, limits=config.limits, route=upstream_route)
-                                     for u in r.upstreams] for r in config.dns.routes}
-        self.upstreams = upstreams
-        self.routes = RouteTable(UpstreamGroup("dns.upstreams", upstreams), {
-            wire.encode_name(suffix): UpstreamGroup(suffix, ups) for suffix, ups in (routes or {}).items()
-        })
+            upstreams, configured = configured_upstreams(config, upstream_route)
+            routes = configured if routes is None else routes
+        self._use_upstreams(upstreams, routes or {})
         self._pending: dict[tuple[bytes, int, int], asyncio.Task[tuple[Answer, str]]] = {}
         self.inflight = 0
         self._memo: dict[tuple[bytes, int, int], Answer] = {}
         self._memo_until = 0.0
         self._records: dict[bytes, list[tuple[int, bytes]]] = {}
         self.set_records(config.dns.records)
-        bl = config.dns.blocklist
-        # None when not configured: the pipeline then does no blocklist work at all
-        self.blocklist = (Blocklist(bl.lists, bl.allow, bl.refresh, time.monotonic())
-                          if bl.enabled else None)
-        self.block_answer = bl.answer
+        self.set_blocklist(config.dns.blocklist)
         me = wire.encode_name(f"{config.node.name}.{config.dns.zone}")
         self._soa = wire.soa_rdata(me, wire.encode_name(f"hostmaster.{config.dns.zone}"), 1,
                                    3600, 600, 86400, NEGATIVE_TTL)
@@ -216,6 +218,36 @@ class Pipeline:
         self._records = table
         self._memo.clear()
 
+    def set_blocklist(self, bl: DnsBlocklistConfig) -> None:
+        """`[dns.blocklist]` (at start, and a reload's): the lists are read now, then swapped in
+        with the local memo dropped, so the next question is decided by the new set. None when
+        not configured: the pipeline then does no blocklist work at all."""
+        self.blocklist = Blocklist(bl.lists, bl.allow, bl.refresh, time.monotonic()) if bl.enabled else None
+        self.block_answer = bl.answer
+        self._memo.clear()
+
+    def _use_upstreams(self, upstreams: list[Upstream], routes: dict[str, list[Upstream]]) -> None:
+        self.upstreams = upstreams
+        self.routes = RouteTable(UpstreamGroup("dns.upstreams", upstreams), {
+            wire.encode_name(suffix): UpstreamGroup(suffix, ups) for suffix, ups in routes.items()
+        })
+
+    def set_upstreams(self, config: Config) -> None:
+        """A reload's `dns.upstreams` and `[[dns.route]]`: questions asked from now on go to the
+        new ones and the cache (answers the old ones gave) is emptied. Exchanges already running
+        finish on the old upstreams, which close once the longest of them could have timed out."""
+        old = [up for group in self.routes.groups() for up in group.upstreams]
+        grace = self.timeout * max(len(g.upstreams) for g in self.routes.groups()) + 1
+        self._use_upstreams(*configured_upstreams(config, self.upstream_route))
+        self.cache.clear()
+        self._retired.extend(old)
+        asyncio.get_running_loop().call_later(grace, self._close_retired, old)
+
+    def _close_retired(self, old: list[Upstream]) -> None:
+        for up in old:
+            up.close()
+        self._retired = [up for up in self._retired if up not in old]
+
     def lookup(self, q: Query, now: float) -> Answer | None:
         """Everything answerable without the network; None means ask upstream."""
         key = (q.name, q.qtype, q.qclass)
@@ -290,6 +322,7 @@ class Pipeline:
         for group in self.routes.groups():
             for up in group.upstreams:
                 up.close()
+        self._close_retired(list(self._retired))
 
     @property
     def _preferred(self) -> int:
@@ -451,10 +484,12 @@ class Frontend:
     it needs an upstream, or None when the query is dropped without an answer.
     """
 
-    def __init__(self, pipeline: Pipeline, stats: ListenerStats, *, limit: int = wire.MAX_MESSAGE) -> None:
+    def __init__(self, pipeline: Pipeline, stats: ListenerStats, *, limit: int = wire.MAX_MESSAGE,
+                 limiter: ClientRateLimit | None = None) -> None:
         self.pipeline = pipeline
         self.stats = stats
         self.limit = limit
+        self.limiter = limiter  # the listener's per-client rate limit (dns/ratelimit.py), if on
         self.tasks: set[asyncio.Task[Ready | None]] = set()
         self.ready = Ready(Buffer(0, 0), 0)  # the shared result of every immediate answer
 
@@ -482,6 +517,11 @@ class Frontend:
             return ready
         if check is not None:
             check(q)  # transport rules (DoQ ID 0, ...): raises to reject
+        limiter = self.limiter
+        if limiter is not None:
+            verdict = limiter.check(peer, now)
+            if verdict:
+                return self._limited(q, verdict, peer, udp, pad)
         if udp:  # the client's EDNS size, capped to avoid fragmentation (DNS flag day 2020)
             lim = min(q.udp_size, wire.OUR_UDP_SIZE) if q.edns else 512
         pad = pad or q.padding
@@ -498,6 +538,28 @@ class Frontend:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return Later(task)
+
+    def _limited(self, q: Query, verdict: int, peer: object, udp: bool, pad: bool) -> Ready | None:
+        """Over the client's rate: on UDP drop it, or (a SLIP) answer an empty TC response; on a
+        stream transport answer REFUSED. Counted under drops, one rate-limited line per client."""
+        stats = self.stats
+        rlog.debug(f"{stats.name} ratelimit {peer}", "dns %s: %s over limits.dns_client_qps", stats.name, peer)
+        if udp and verdict == DROP:
+            stats.drop("rate_limit")
+            return None
+        buf = self.pipeline.buffer(1024)
+        if udp:
+            stats.drop("rate_limit_slip")
+            wire.pack_error(buf, q.id, q.flags, wire.NOERROR, q.question, edns=q.edns, tc=True)
+            stats.response(wire.NOERROR)
+        else:
+            stats.drop("rate_limit")
+            wire.pack_error(buf, q.id, q.flags, wire.REFUSED, q.question, edns=q.edns, pad=pad or q.padding)
+            stats.response(wire.REFUSED)
+        ready = self.ready
+        ready.buffer = buf
+        ready.max_age = 0
+        return ready
 
     def _pack(self, ans: Answer, q: Query, now: float, limit: int, pad: bool, ready: Ready) -> Ready:
         buf = self.pipeline.buffer(wire.packed_size(ans, q, pad))

@@ -25,7 +25,7 @@ from typing import Any, cast
 
 from meshgate import replies
 from meshgate.buffers import BufferPool
-from meshgate.config import Config
+from meshgate.config import Config, MeshConfig
 from meshgate.egress.dialer import Dialer, DialError, OnDatagram, UdpEgress, UdpOpener
 from meshgate.egress.rules import ExitRules
 from meshgate.logs import RateLimitedLog
@@ -59,12 +59,17 @@ class MeshDialer(Dialer):
         # with mesh.exit_nodes set the user chose where traffic leaves: when no exit is
         # reachable the portal refuses, it never leaves from this host instead (nor resolves
         # the name here, a DNS leak)
-        self.exit_required = bool(config.mesh.exit_nodes)
-        self.direct_fallback = config.mesh.direct_fallback and not self.exit_required
+        self.set_exits(config.mesh)
         # this node's own egress (the connector the mesh has), for routes that end here
         self.egress = egress
         self._open_udp = open_udp
         self.rules = ExitRules(config)
+
+    def set_exits(self, mesh: MeshConfig) -> None:
+        """`mesh.exit_nodes` and `mesh.direct_fallback` (at start, and a reload's): connections
+        dialed from now on follow them."""
+        self.exit_required = bool(mesh.exit_nodes)
+        self.direct_fallback = mesh.direct_fallback and not self.exit_required
 
     def set_records(self, records: tuple[tuple[str, str], ...]) -> None:
         """Reloaded `dns.records`: names dialed from now on resolve through them."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from meshgate.config import Config, ExitConfig, IPNetwork
+from meshgate.config import Config, IPNetwork
 from meshgate.egress.acl import Acl
 from meshgate.policy import EgressPolicy, IPAddress, in_any
 
@@ -22,32 +22,32 @@ class ExitRules:
     """Translation and whether an address may be reached from here."""
 
     def __init__(self, config: Config) -> None:
-        mesh = config.mesh
         ifaces = [i for i in (config.node.ipv4, config.node.ipv6) if i is not None]
         self.own_ips: set[IPAddress] = {i.ip for i in ifaces}
-        self.served: dict[int, tuple[str, int]] = {port: (t.host, t.port) for port, t in config.serve}
         # The mesh's own virtual subnets: an address there with no route (unassigned,
         # or not yet converged) must never leave by the host's default route.
         self.vnets: tuple[IPNetwork, ...] = tuple(i.network for i in ifaces)
+        self.set_offers(config)
+
+    def set_offers(self, config: Config) -> None:
+        """What this node offers (`mesh.proxy_cidrs`, `mesh.exit_node`) with the `[exit]` policy,
+        `[serve]` and `[[acl]]` that depend on it: at start, and a reload's. Each attribute is
+        one assignment, read per connection: those checked from now on see the new ones."""
+        mesh = config.mesh
         self.maps = [(c.mapped, c.real) for c in mesh.proxy_cidrs if c.mapped is not None]
         # A catch-all proxy CIDR makes this node an exit for that family, not
         # "owner of everything": the exit policy still applies there.
-        self.exit_families = {c.real.version for c in mesh.proxy_cidrs if c.real.prefixlen == 0}
-        if mesh.exit_node:
-            self.exit_families |= {4, 6}
+        families = {c.real.version for c in mesh.proxy_cidrs if c.real.prefixlen == 0}
+        self.exit_families = families | {4, 6} if mesh.exit_node else families
         self.own_nets = tuple(c.real for c in mesh.proxy_cidrs if c.real.prefixlen > 0)
         self._own_cidrs = [c for c in mesh.proxy_cidrs if c.real.prefixlen > 0]
         self.policy = EgressPolicy(config.exit, self._own_cidrs)
-        self.acl = Acl(config.acl, self.own_nets)
+        self.set_access(config)
 
     def set_access(self, config: Config) -> None:
         """A reloaded [serve] and [[acl]]: streams and datagrams checked from now on use them."""
-        self.served = {port: (t.host, t.port) for port, t in config.serve}
+        self.served: dict[int, tuple[str, int]] = {port: (t.host, t.port) for port, t in config.serve}
         self.acl = Acl(config.acl, self.own_nets)
-
-    def set_exit(self, cfg: ExitConfig) -> None:
-        """A reloaded `[exit]`: connections checked from now on use it (one assignment)."""
-        self.policy = EgressPolicy(cfg, self._own_cidrs)
 
     def translate(self, ip: IPAddress) -> IPAddress:
         for mapped, real in self.maps:

@@ -9,7 +9,8 @@ service "http_proxy", handed the node's one dialer (the same as the SOCKS5 porta
   ends when the origin's does (keep-alive towards the client is not kept).
 - `GET /proxy.pac` (origin-form, to the proxy itself) answers a PAC file made from the live
   routes at that moment: the mesh's virtual IPs, proxy CIDRs as advertised and the mesh zone
-  go to this listener, the rest DIRECT; everything through it when mesh.exit_nodes is set.
+  go to this listener, the rest DIRECT; everything through it when mesh.exit_nodes is set. It
+  follows a reload (proxy CIDRs, exit_nodes, dns.records: the node's current config).
 
 Auth is `Proxy-Authorization: Basic` against `[socks5] users` (407 when required and missing
 or wrong). A dial failure's SOCKS reply code picks the status: not allowed 403, TTL expired /
@@ -311,9 +312,12 @@ class HttpProxyService(PortalService):
     name = "http_proxy"
     listen_key = "http_proxy.listen"
 
-    def __init__(self, config: Config, dialer: Dialer, routes: Routes | None = None) -> None:
+    def __init__(self, config: Config, dialer: Dialer, routes: Routes | None = None,
+                 current: Callable[[], Config] | None = None) -> None:
         super().__init__(config, dialer)
         self.routes = routes
+        # the node's config now (a reload replaces it): the PAC file is made from it
+        self.current = current or (lambda: self.config)
 
     def listen_address(self) -> HostPort:
         return self.config.http_proxy.listen
@@ -322,7 +326,7 @@ class HttpProxyService(PortalService):
         return HttpProxyServer(self.config, self.dialer, self.pac)
 
     def pac(self, proxy: str) -> str:
-        cfg = self.config
+        cfg = self.current()
         return build_pac(proxy, cfg.dns.zone, pac_networks(cfg, self.routes),
                          names=(name for name, _ in cfg.dns.records),
                          everything=bool(cfg.mesh.exit_nodes))

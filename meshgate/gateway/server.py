@@ -22,7 +22,7 @@ import logging
 from typing import TYPE_CHECKING, Any, cast
 
 from meshgate.buffers import BufferPool
-from meshgate.config import Config, User
+from meshgate.config import Config, LimitsConfig, User
 from meshgate.egress.dialer import DialError
 from meshgate.gateway import socks5
 from meshgate.gateway.udp import UdpAssociation
@@ -110,7 +110,6 @@ class Socks5Server:
 
     def __init__(self, config: Config, dialer: Dialer, pool: BufferPool) -> None:
         self.config = config
-        self.limits = config.limits
         self.dialer = dialer
         self.pool = pool
         self.users: dict[bytes, bytes] = {}
@@ -120,10 +119,7 @@ class Socks5Server:
         self.clients: set[ClientProtocol] = set()
         # live clients per source address: one address cannot hold every slot
         self.per_source: dict[str, int] = {}
-        # default: a quarter of max_clients, but never fewer than one browser's ~32 connections
-        self.max_per_source = config.limits.socks5_max_clients_per_source or max(
-            self.max_clients // 4, min(self.max_clients, 32)
-        )
+        self.set_limits(config.limits)
         self.server: asyncio.Server | None = None
         self.read_buffer = ReadBuffer()
 
@@ -131,6 +127,16 @@ class Socks5Server:
         """The RFC 1929 users (also a reload's): connections accepted from now on check these;
         those already past their handshake keep going."""
         self.users = {u.name.encode(): u.password.encode() for u in users}
+
+    def set_limits(self, limits: LimitsConfig) -> None:
+        """`[limits]` (at start, and a reload's): the handshake and idle timeouts are read when a
+        timer is armed and the per-source cap when a connection arrives, so connections see the
+        new values from their next timer or arrival; none is closed by the change."""
+        self.limits = limits
+        # default: a quarter of max_clients, but never fewer than one browser's ~32 connections
+        self.max_per_source = limits.socks5_max_clients_per_source or max(
+            self.max_clients // 4, min(self.max_clients, 32)
+        )
 
     async def start(self, host: str, port: int) -> asyncio.Server:
         loop = asyncio.get_running_loop()

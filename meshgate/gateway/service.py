@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from meshgate.buffers import BufferPool
-from meshgate.config import Config, HostPort, User
+from meshgate.config import Config, HostPort, LimitsConfig, User
 from meshgate.egress.dialer import Dialer
 from meshgate.errors import bind_error
 from meshgate.gateway.server import Socks5Server
@@ -50,6 +50,12 @@ class PortalService:
         self.config = replace(self.config, socks5=replace(self.config.socks5, users=users))
         if self.server is not None:
             self.server.set_users(users)
+
+    def set_limits(self, limits: LimitsConfig) -> None:
+        """Reloaded `[limits]` (the portal's live ones, node.py's PORTAL_LIMITS)."""
+        self.config = replace(self.config, limits=limits)
+        if self.server is not None:
+            self.server.set_limits(limits)
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import json
 import logging
 import os
@@ -271,3 +272,314 @@ async def test_mesh_peers_added_and_removed(tmp_path: Path) -> None:
     finally:
         for n in reversed(nodes):
             await n.stop()
+
+
+# --- offers, exits, DNS upstreams/routes/blocklists and portal limits, on a two-node mesh
+
+def egress_toml(tmp: Path, cidrs: tuple[str, ...], exit_node: bool) -> str:
+    """e: offers `cidrs` (loopback ranges, so sinks on 127.0.x.1 are behind them) and maybe
+    exit; resolves sink.test itself (names leave the mesh where they resolve)."""
+    quoted = ", ".join(f'"{c}"' for c in cidrs)
+    return f"""[node]
+name = "e"
+network = "reload-offers"
+secret = "reload-offers-secret"
+ipv4 = "10.144.6.2/24"
+state_dir = "{tmp / 'e'}"
+[mesh]
+listen = ["tcp://127.0.0.1:0"]
+proxy_cidrs = [{quoted}]
+exit_node = {str(exit_node).lower()}
+[dns]
+records = {{ "sink.test" = "127.0.0.1" }}
+[socks5]
+enable = false
+[admin]
+enable = false
+"""
+
+
+def portal_toml(tmp: Path, peer: str, upstream: str, *, exit_nodes: str = "", fallback: bool = False,
+                route: str = "", blocklist: str = "", per_source: int = 0, policy: str = "least-hop") -> str:
+    """p: the portal (SOCKS5, HTTP proxy with its PAC file, a udp DNS listener), peer of e."""
+    extra = f"socks5_max_clients_per_source = {per_source}\n" if per_source else ""
+    extra += f'[[dns.route]]\nsuffix = "corp.test"\nupstreams = ["{route}"]\n' if route else ""
+    extra += f'[dns.blocklist]\nlists = ["{blocklist}"]\n' if blocklist else ""
+    return f"""[node]
+name = "p"
+network = "reload-offers"
+secret = "reload-offers-secret"
+ipv4 = "10.144.6.1/24"
+state_dir = "{tmp / 'p'}"
+[mesh]
+peers = ["{peer}"]
+policy = "{policy}"
+exit_nodes = [{exit_nodes}]
+direct_fallback = {str(fallback).lower()}
+[socks5]
+listen = "127.0.0.1:0"
+[http_proxy]
+enable = true
+listen = "127.0.0.1:0"
+[dns]
+upstreams = ["{upstream}"]
+[[dns.listener]]
+protocol = "udp"
+listen = "127.0.0.1:0"
+[admin]
+enable = false
+[limits]
+dns_timeout = 0.5
+{extra}"""
+
+
+async def echo_digest(host: str) -> tuple[asyncio.Server, int]:
+    """A sink on `host` (any 127.0.x.y is this host's loopback)."""
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(hashlib.sha256(await r.read()).hexdigest().encode())
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(handle, host, 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def via_portal(n: Node, host: str, port: int) -> str:
+    """hello through the portal to host:port (no SOCKS users); the sink's digest of it."""
+    shost, sport = addr(n, "socks5")
+    proxy = Proxy.from_url(f"socks5://{shost}:{sport}")
+    r, w = await asyncio.open_connection(sock=await proxy.connect(dest_host=host, dest_port=port, timeout=10))
+    w.write(b"hello")
+    w.write_eof()
+    got = await asyncio.wait_for(r.read(), 10)
+    w.close()
+    return got.decode()
+
+
+async def refused(n: Node, host: str, port: int) -> int:
+    """The SOCKS reply code a CONNECT to host:port gets (the test fails if it connects)."""
+    with pytest.raises(ProxyError) as ei:
+        await via_portal(n, host, port)
+    return int(ei.value.error_code)
+
+
+async def pac(n: Node) -> str:
+    host, port = addr(n, "http_proxy")
+    r, w = await asyncio.open_connection(host, port)
+    w.write(b"GET /proxy.pac HTTP/1.1\r\nHost: p\r\n\r\n")
+    got = await asyncio.wait_for(r.read(), 10)
+    w.close()
+    return got.decode()
+
+
+async def pac_sends(n: Node, ip: str) -> bool:
+    """Whether p's PAC file sends `ip` to the portal (its isInNet networks, collapsed)."""
+    import re
+
+    nets = [ipaddress.ip_network(f"{a}/{m}") for a, m in
+            re.findall(r'isInNet\(host, "([0-9.]+)", "([0-9.]+)"\)', await pac(n))]
+    return any(ipaddress.ip_address(ip) in net for net in nets)
+
+
+async def answer(n: Node, name: str) -> str:
+    """The first A address p's udp listener answers for `name`, else the rcode's name."""
+    import dns.rcode
+
+    host, port = addr(n, "dns")
+    resp = await dns.asyncquery.udp(dns.message.make_query(name, "A"), host, port=port, timeout=5)
+    addrs = [rd.to_text() for rrset in resp.answer for rd in rrset]
+    return addrs[0] if addrs else dns.rcode.to_text(resp.rcode())
+
+
+async def test_offers_exits_dns_and_limits_change_during_a_mesh_transfer(tmp_path: Path) -> None:
+    """A 32 MiB upload from p's portal through the mesh to a sink behind e's proxy CIDR runs while
+    e changes its proxy CIDRs and becomes an exit, and p changes direct_fallback, exit_nodes, its
+    DNS upstreams, [[dns.route]], [dns.blocklist] and the per-source cap: each seen at the portal
+    (SOCKS5, the PAC file) or p's DNS listener; the upload finishes byte-identical."""
+    from tests.helpers import async_wait_until
+    from tests.integration.test_dns_split import TagAuthority
+
+    one, two, corp = [await TagAuthority(a).start() for a in ("192.0.2.11", "192.0.2.22", "198.51.100.1")]
+    servers = [await sink(), await echo_digest("127.0.1.1"), await echo_digest("127.0.2.1")]
+    (_, port), (_, port1), (_, port2) = servers
+    block = tmp_path / "block.txt"
+    block.write_text("blocked.test\n")
+    epath, ppath = tmp_path / "e.toml", tmp_path / "p.toml"
+    epath.write_text(egress_toml(tmp_path, ("127.0.0.0/24", "127.0.1.0/24"), exit_node=False))
+    e = Node(load(epath), config_path=str(epath))
+    await e.start()
+    p: Node | None = None
+    transfer: asyncio.Task[str] | None = None
+    resume = asyncio.Event()
+    payload = os.urandom(TOTAL)
+    try:
+        assert e.mesh is not None
+        peer = str(e.mesh.listen_addrs[0])
+
+        def ptoml(**kw: Any) -> str:
+            return portal_toml(tmp_path, peer, one.url, **kw)
+
+        ppath.write_text(ptoml())
+        p = Node(load(ppath), config_path=str(ppath))
+        await p.start()
+        pm = p.mesh
+        assert pm is not None
+        lo1 = ipaddress.ip_address("127.0.1.1")
+        await async_wait_until(lambda: pm.lookup(lo1) is not None, 15, "p to route 127.0.1.0/24 to e")
+        hello = hashlib.sha256(b"hello").hexdigest()
+        half = asyncio.Event()
+
+        async def upload() -> str:
+            host, sport = addr(p, "socks5")  # type: ignore[arg-type]
+            sock = await Proxy.from_url(f"socks5://{host}:{sport}").connect(
+                dest_host="127.0.0.1", dest_port=port, timeout=10)
+            r, w = await asyncio.open_connection(sock=sock)
+            for i in range(0, TOTAL, CHUNK):
+                if i == TOTAL // 2:
+                    half.set()
+                    await resume.wait()
+                w.write(payload[i:i + CHUNK])
+                await w.drain()
+            w.write_eof()
+            got = await asyncio.wait_for(r.read(), 60)
+            w.close()
+            return got.decode()
+
+        transfer = asyncio.create_task(upload())
+        await asyncio.wait_for(half.wait(), 60)
+        # before: 127.0.1.1 behind e; 127.0.2.1 nowhere; no exit; DNS from `one`
+        assert await via_portal(p, "127.0.1.1", port1) == hello
+        assert await refused(p, "127.0.2.1", port2) == 0x03
+        assert await refused(p, "sink.test", port) == 0x03
+        assert await pac_sends(p, "127.0.1.1") and not await pac_sends(p, "127.0.2.1")
+        assert await answer(p, "www.example.test.") == "192.0.2.11"
+        assert await answer(p, "x.corp.test.") == "192.0.2.11"
+        assert await answer(p, "blocked.test.") == "192.0.2.11"
+
+        # e: one proxy CIDR removed, one added, and an exit now: its new record reaches p
+        epath.write_text(egress_toml(tmp_path, ("127.0.0.0/24", "127.0.2.0/24"), exit_node=True))
+        res = e.reload()
+        assert res.applied and set(res.changed) == {"mesh.proxy_cidrs", "mesh.exit_node"}, res
+        await async_wait_until(lambda: pm.lookup(lo1) is None, 15, "p to see 127.0.1.0/24 withdrawn")
+        assert await refused(p, "127.0.1.1", port1) == 0x03  # direct_fallback off: nowhere
+        assert await via_portal(p, "127.0.2.1", port2) == hello  # e serves the added CIDR
+        assert not await pac_sends(p, "127.0.1.1") and await pac_sends(p, "127.0.2.1")
+        assert await refused(p, "sink.test", port) == 0x03  # p uses no exits yet
+
+        # p: a non-live key beside live ones refuses it all (DNS still from `one`, cap unchanged)
+        ppath.write_text(ptoml(fallback=True, route=corp.url, policy="least-latency"))
+        res = p.reload()
+        assert not res.applied and res.restart == ("mesh.policy",), res
+        assert await answer(p, "fresh.example.test.") == "192.0.2.11"
+
+        # p: direct fallback on, new upstreams, a route and a blocklist
+        ppath.write_text(portal_toml(tmp_path, peer, two.url, fallback=True, route=corp.url,
+                                     blocklist=str(block)))
+        res = p.reload()
+        assert res.applied and set(res.changed) == {
+            "mesh.direct_fallback", "dns.upstreams", "dns.routes", "dns.blocklist.lists"}, res
+        assert await via_portal(p, "127.0.1.1", port1) == hello  # no route: from p's host now
+        assert await answer(p, "www.example.test.") == "192.0.2.22"  # the cache went with `one`
+        assert await answer(p, "x.corp.test.") == "198.51.100.1"
+        assert await answer(p, "blocked.test.") == "NXDOMAIN"
+
+        # p: e as its exit (auto): names leave there, and loopback beyond e's CIDRs is refused there
+        ppath.write_text(portal_toml(tmp_path, peer, two.url, fallback=True, route=corp.url,
+                                     blocklist=str(block), exit_nodes='"auto"'))
+        res = p.reload()
+        assert res.applied and res.changed == ("mesh.exit_nodes",), res
+        assert await via_portal(p, "sink.test", port) == hello  # resolved at e: its dns.records
+        assert await refused(p, "127.0.1.1", port1) == 0x02  # e's [exit] refuses its loopback
+        assert 'return "DIRECT"' not in await pac(p)  # everything through the portal now
+
+        # p: one connection per source (the upload holds it) for new ones, then back
+        ppath.write_text(portal_toml(tmp_path, peer, two.url, fallback=True, route=corp.url,
+                                     blocklist=str(block), exit_nodes='"auto"', per_source=1))
+        res = p.reload()
+        assert res.applied and res.changed == ("limits.socks5_max_clients_per_source",), res
+        with pytest.raises((ProxyError, OSError)):
+            await via_portal(p, "127.0.0.1", port)
+        ppath.write_text(portal_toml(tmp_path, peer, two.url, fallback=True, route=corp.url,
+                                     blocklist=str(block), exit_nodes='"auto"'))
+        assert p.reload().applied
+        assert await via_portal(p, "127.0.0.1", port) == hello
+        assert not transfer.done()
+    finally:
+        resume.set()
+        try:
+            if transfer is not None:
+                assert await asyncio.wait_for(transfer, 120) == hashlib.sha256(payload).hexdigest()
+        finally:
+            if p is not None:
+                await p.stop()
+            await e.stop()
+            for server, _ in servers:
+                server.close()
+            for a in (one, two, corp):
+                await a.stop()
+
+
+async def test_what_cannot_change_live_here_is_refused_whole(tmp_path: Path) -> None:
+    """A node in certificate mode refuses offers its certificate does not grant, and one with DNS
+    worker processes refuses [dns.blocklist] and upstreams a worker would time out before (the
+    upstream_spans it started with): nothing changes, the key or the grant is named."""
+    from meshgate.mesh.identity import load_or_create
+    from tests.identity_testing import TestCA
+    from tests.integration.test_dns_split import TagAuthority
+
+    ca = TestCA(tmp_path)
+    cert = ca.issue("c", load_or_create(tmp_path / "c"), "10.144.5.1/24", cidrs=("10.1.0.0/16",))
+    one, two = [await TagAuthority(a).start() for a in ("192.0.2.11", "192.0.2.22")]
+    block = tmp_path / "block.txt"
+    block.write_text("blocked.test\n")
+
+    def conf(cidrs: str = '"10.1.0.0/24"', exit_node: bool = False, upstreams: str = f'"{one.url}"',
+             blocklist: bool = False) -> str:
+        keys = ca.node_keys(cert)
+        return (f'[node]\nname = "c"\nnetwork = "{ca.network}"\nipv4 = "10.144.5.1/24"\n'
+                f'state_dir = "{tmp_path / "c"}"\ncertificate = "{keys["certificate"]}"\n'
+                f'ca = ["{keys["ca"]}"]\n'
+                f'[mesh]\nlisten = ["tcp://127.0.0.1:0"]\nproxy_cidrs = [{cidrs}]\n'
+                f'exit_node = {str(exit_node).lower()}\n'
+                f'[socks5]\nenable = false\n[admin]\nenable = false\n'
+                f'[dns]\nworkers = 2\nupstreams = [{upstreams}]\n'
+                f'[[dns.listener]]\nprotocol = "udp"\nlisten = "127.0.0.1:0"\n'
+                + (f'[dns.blocklist]\nlists = ["{block}"]\n' if blocklist else "")
+                + '[limits]\ndns_timeout = 0.5\n')
+
+    path = tmp_path / "c.toml"
+    path.write_text(conf())
+    n = Node(load(path), config_path=str(path))
+    await n.start()
+    try:
+        assert n.mesh is not None
+        before = n.mesh.table.local
+        path.write_text(conf(cidrs='"10.1.0.0/24", "10.9.0.0/16"', exit_node=True))
+        res = n.reload()
+        assert not res.applied and set(res.changed) == {"mesh.proxy_cidrs", "mesh.exit_node"}, res
+        text = "\n".join(res.problems)
+        assert "does not grant" in text and "10.9.0.0/16" in text and "mesh.exit_node" in text, res
+        assert n.mesh.table.local is before and n.config.mesh.proxy_cidrs == load(path).mesh.proxy_cidrs[:1]
+
+        path.write_text(conf(cidrs='"10.1.2.0/24"'))  # inside the grant: applied
+        res = n.reload()
+        assert res.applied and res.changed == ("mesh.proxy_cidrs",), res
+        assert n.mesh.table.local.version == before.version + 1
+
+        path.write_text(conf(cidrs='"10.1.2.0/24"', blocklist=True))  # the workers' own copy
+        res = n.reload()
+        assert not res.applied and res.restart == ("dns.blocklist.lists",), res
+        assert await answer(n, "blocked.test.") == "192.0.2.11"
+
+        path.write_text(conf(cidrs='"10.1.2.0/24"', upstreams=f'"{one.url}", "{two.url}"'))
+        res = n.reload()  # a worker waits 1 x dns_timeout for this process: 2 could be too many
+        assert not res.applied and res.restart == ("dns.upstreams",), res
+
+        path.write_text(conf(cidrs='"10.1.2.0/24"', upstreams=f'"{two.url}"'))  # as many: live
+        res = n.reload()
+        assert res.applied and res.changed == ("dns.upstreams",), res
+        assert await answer(n, "fresh.example.test.") == "192.0.2.22"
+    finally:
+        await n.stop()
+        for a in (one, two):
+            await a.stop()

@@ -49,13 +49,30 @@ def test_live_keys_are_applied() -> None:
     assert diff(cfg(), cfg(exit={"allow": ["192.0.2.0/24"]})).changed == ("exit.allow",)
 
 
+def test_offers_exits_dns_upstreams_blocklists_and_portal_limits_are_live() -> None:
+    new = cfg(mesh={"proxy_cidrs": ["10.1.0.0/16"], "exit_node": True, "exit_nodes": ["auto"],
+                    "direct_fallback": False},
+              dns={"upstreams": ["udp://192.0.2.53"], "route": [{"suffix": "corp.", "upstreams": ["udp://192.0.2.54"]}],
+                   "blocklist": {"lists": ["/tmp/x"], "answer": "zero", "refresh": 60}},
+              limits={"socks5_handshake_timeout": 2, "socks5_idle_timeout": 30,
+                      "socks5_max_clients_per_source": 4})
+    plan = diff(cfg(), new)
+    assert plan.ok, plan.restart
+    assert set(plan.changed) == {
+        "mesh.proxy_cidrs", "mesh.exit_node", "mesh.exit_nodes", "mesh.direct_fallback", "dns.upstreams",
+        "dns.routes", "dns.blocklist.lists", "dns.blocklist.answer", "dns.blocklist.refresh",
+        "limits.socks5_handshake_timeout", "limits.socks5_idle_timeout",
+        "limits.socks5_max_clients_per_source"}
+
+
 def test_other_keys_refuse_naming_each_one_dotted() -> None:
-    new = cfg(socks5={"listen": "127.0.0.1:1081", "users": []}, dns={"blocklist": {"refresh": 60}},
-              limits={"dns_timeout": 1.0})
+    new = cfg(socks5={"listen": "127.0.0.1:1081", "users": []}, dns={"query_log": {"size": 60}},
+              limits={"dns_timeout": 1.0, "socks5_idle_timeout": 30})
     plan = diff(cfg(), new)
     assert not plan.ok
     # a HostPort is one value, not a section: socks5.listen, never socks5.listen.port
-    assert plan.restart == ("socks5.listen", "dns.blocklist.refresh", "limits.dns_timeout")
+    assert plan.restart == ("socks5.listen", "dns.query_log.size", "limits.dns_timeout")
+    assert "limits.socks5_idle_timeout" in plan.changed  # live: [limits] is not one key
     assert "socks5.users" in plan.changed and "socks5.users" not in plan.restart
 
 
