@@ -34,6 +34,7 @@ from meshgate.mesh.frames import (
     E2E_INIT,
     E2E_RESP,
     FLAG_LATENCY,
+    FLAG_OPENER,
     FRAME_NAMES,
     LINK_LOCAL,
     MAX_BODY,
@@ -45,6 +46,7 @@ from meshgate.mesh.frames import (
     SEALED,
     STREAM_OPEN,
     STREAM_RESET,
+    TRAVERSAL,
     U64,
     UNREACHABLE,
     UNRELIABLE,
@@ -66,7 +68,7 @@ from meshgate.mesh.routing import (
     encode_records,
 )
 from meshgate.mesh.splice import EgressConnect, SplicePipe
-from meshgate.mesh.streams import RESET, MeshStream, StreamError, StreamMux
+from meshgate.mesh.streams import RESET, SID, MeshStream, StreamError, StreamMux
 from meshgate.mesh.trust import PeerIdentity
 from meshgate.mesh.trust_files import (
     FileWatch,
@@ -80,6 +82,7 @@ from meshgate.replies import GENERAL_FAILURE, NETWORK_UNREACHABLE, NOT_ALLOWED, 
 
 if TYPE_CHECKING:
     from meshgate.mesh import link_udp
+    from meshgate.mesh.traversal_agent import TraversalAgent
 
 log = logging.getLogger("meshgate.mesh")
 _rlog = RateLimitedLog(log)
@@ -214,6 +217,12 @@ class MeshService:
         self._ways_back: dict[int, LinkBase] = {}  # opener -> the link its last OPEN came in on
         self.listen_addrs: list[str] = []
         self.stats: collections.Counter[str] = collections.Counter()  # per-instance, for tests and status
+        self.traversal: TraversalAgent | None = None
+        self.traversal_off = ""  # why there is no traversal agent (meshgate status)
+        # streams a new direct link must not take (they keep the relay path they started on,
+        # whose frames are still in flight: switching would reorder their bytes): peer -> link
+        # they stay on, and their (sid, opened here) keys
+        self._pinned: dict[int, tuple[LinkBase, set[tuple[int, bool]]]] = {}
         self._ticks = 0
         self._running = False
 
@@ -241,8 +250,33 @@ class MeshService:
                 raise bind_error("mesh.listen", str(url), e) from None
             self._listening.append(listening)
             self.listen_addrs.extend(listening.addresses)
+        await self._start_traversal(urls)
         self.set_peers(self.config.mesh.peers)
         self._tick_handle = self.loop.call_later(self.ping_interval, self._tick)
+
+    async def _start_traversal(self, urls: tuple[LinkUrl, ...]) -> None:
+        """NAT traversal on the node's udp:// listener, or on an ephemeral socket of its own
+        when it has udp:// peers but listens on none."""
+        from meshgate.mesh import link_udp
+
+        if not self.config.mesh.traversal:
+            self.traversal_off = "off (mesh.traversal = false)"
+            return
+        if not any(u.scheme == "udp" for u in urls):
+            self.traversal_off = "off: no udp:// link in mesh.listen or mesh.peers"
+            return
+        from meshgate.mesh.traversal_agent import TraversalAgent
+
+        for listening in self._listening:
+            if isinstance(listening.server, link_udp.UdpListener):
+                self.traversal = TraversalAgent(self, listening.server, self.config.mesh, own_socket=False)
+                return
+        try:
+            listener = await link_udp.listen("0.0.0.0", 0, self.accept_udp, self.config.limits)
+        except OSError as e:
+            self.traversal_off = f"off: no traversal socket ({e.strerror})"
+            return
+        self.traversal = TraversalAgent(self, listener, self.config.mesh, own_socket=True)
 
     async def stop(self) -> None:
         self._running = False
@@ -256,6 +290,8 @@ class MeshService:
             self._latency_timer.cancel()
         for listening in self._listening:
             listening.close()
+        if self.traversal is not None:
+            self.traversal.close()
         for task in list(self._tasks):
             task.cancel()
         for links in list(self.links.values()):
@@ -419,6 +455,8 @@ class MeshService:
         self.peer_identity[link] = checked
         links = self.links.setdefault(peer.node_id, [])
         first = not links
+        if self.traversal is not None and self.traversal.link_up(link) and first:
+            self._pin_streams(peer.node_id)
         links.append(link)
         _links_gauge.inc()
         log.info("mesh link up: %s (%s %08x)", link.url, peer.name, peer.node_id)
@@ -451,6 +489,7 @@ class MeshService:
         if peer is None:
             return
         links = self.links.get(peer.node_id)
+        self._traversal_link_gone(link)
         if links and link in links:
             links.remove(link)
             _links_gauge.dec()
@@ -596,6 +635,10 @@ class MeshService:
                 self._report_counters(link)
         self.table.expire(now)
         self._watch_revocation_file()
+        if self.traversal is not None:
+            self.traversal.tick(now)
+        if self._pinned:
+            self._unpin_finished()
         self._ticks += 1
         if self._ticks % EXPIRY_CHECK_TICKS == 0:
             self._enforce_certificates()
@@ -606,6 +649,7 @@ class MeshService:
     def _forget_link(self, link: LinkBase) -> None:
         assert link.peer is not None
         nid = link.peer.node_id
+        self._traversal_link_gone(link)
         _links_gauge.dec()
         if not self.links.get(nid):
             self.links.pop(nid, None)
@@ -810,6 +854,11 @@ class MeshService:
             return
         if ftype == DATAGRAM:
             self._on_datagram(src, body)
+        elif ftype == TRAVERSAL:
+            if self.traversal is not None:
+                self.traversal.on_call(src, body)
+            else:
+                _frames_dropped.labels("traversal_off").inc()
         elif ftype in FRAME_NAMES and self.mux is not None:
             if ftype == STREAM_OPEN:
                 self._remember_way_back(src, link)
@@ -887,12 +936,16 @@ class MeshService:
         """Send an end-to-end frame from this node; False if there is no route."""
         flags |= self.policy_flag
         link = self._route_link(dst, flags)
+        if self._pinned and dst in self._pinned:
+            link = self._pinned_link(dst, flags, head) or link
         if link is None:
             link = self._way_back(dst)
             if link is None:
                 return False
         assert link.peer is not None
         if link.peer.node_id != dst:  # relayed: sealed end to end
+            if self.traversal is not None and ftype != TRAVERSAL:
+                self.traversal.relayed(dst)
             return self._send_sealed(link, dst, ftype, flags, bytes(head) + bytes(data), False)
         link.send_frame(ftype, flags, DEFAULT_HOP_LIMIT, self.node_id, dst, head, data)
         return True
@@ -915,6 +968,79 @@ class MeshService:
         self.stats["sent_way_back"] += 1
         return link
 
+    # ------------------------------------------------------------------ traversal
+
+    def peer_key(self, nid: int) -> bytes | None:
+        """A node's public key (signing + X25519) from its signed record, or its link's HELLO."""
+        rec = self.table.records.get(nid)
+        if rec is not None and rec.key:
+            return rec.key
+        for link in self.links.get(nid, ()):
+            if link.peer is not None and link.peer.key:
+                return link.peer.key
+        return None
+
+    def send_traversal(self, dst: int, body: bytes) -> bool:
+        return self.send(TRAVERSAL, 0, dst, body)
+
+    def may_punch(self, nid: int) -> bool:
+        return self.traversal_allowed(nid)
+
+    def traversal_allowed(self, nid: int) -> bool:
+        """Replaced by the node with its access rules' answer (may this node talk to `nid`?)."""
+        return True
+
+    def make_udp_link(self, url: str, initiator: bool, sock: Any, addr: Any) -> link_udp.UdpLink:
+        from meshgate.mesh import link_udp
+
+        return link_udp.UdpLink(self, url, initiator, sock, addr, self.config.limits)
+
+    def _pin_streams(self, peer: int) -> None:
+        """A direct link to `peer` is up where its traffic went through a relay: the streams
+        with it keep the relay (their frames there are still on the way; taking the new link
+        would let later bytes overtake them). New streams take the direct link."""
+        if self.mux is None:
+            return
+        keys = {(sid, local) for (p, sid, local) in self.mux.streams if p == peer}
+        old = self._route_link(peer, self.policy_flag)
+        if keys and old is not None:
+            self._pinned[peer] = (old, keys)
+            self.stats["streams_pinned"] += len(keys)
+
+    def _pinned_link(self, dst: int, flags: int, head: bytes | bytearray | memoryview) -> LinkBase | None:
+        old, keys = self._pinned[dst]
+        if len(head) < 4 or (SID.unpack_from(head)[0], bool(flags & FLAG_OPENER)) not in keys:
+            return None
+        if old.peer is None or old not in self.links.get(old.peer.node_id, ()):
+            del self._pinned[dst]  # the relay link went: the streams take the route there is
+            return None
+        return old
+
+    def _unpin_finished(self) -> None:
+        assert self.mux is not None
+        streams = self.mux.streams
+        for peer, (_old, keys) in list(self._pinned.items()):
+            keys.intersection_update({k for k in keys if (peer, k[0], k[1]) in streams})
+            if not keys:
+                del self._pinned[peer]
+
+    def _traversal_link_gone(self, link: LinkBase) -> None:
+        """A direct link made by traversal went. Its reliable frames not yet acknowledged are
+        lost with it; a stream that had some there would go on with a gap, so the streams that
+        used it are reset (both ends, through the relay) rather than corrupted. With nothing
+        outstanding on it (an idle link) every stream just moves to the relay."""
+        if self.traversal is None or not self.traversal.link_down(link) or link.peer is None:
+            return
+        peer = link.peer.node_id
+        if self.mux is None or not link.buffered():
+            return
+        pinned = self._pinned.get(peer, (link, set()))[1]
+        reset = self.mux.reset_peer(peer, NETWORK_UNREACHABLE, keep=pinned)
+        if reset:
+            self.stats["streams_reset_link_lost"] += reset
+            log.info("direct link %s to %08x lost with data in flight: %d streams reset",
+                     link.url, peer, reset)
+
     # ------------------------------------------------------------------ datagrams
 
     def send_datagram(self, node_id: int, channel: int, payload: bytes) -> bool:
@@ -933,6 +1059,8 @@ class MeshService:
         head = CHANNEL.pack(channel)
         assert link.peer is not None
         if link.peer.node_id != node_id:  # relayed: sealed end to end
+            if self.traversal is not None:
+                self.traversal.relayed(node_id)
             return self._send_sealed(link, node_id, DATAGRAM, flags, head + bytes(payload), True)
         link.send_frame(DATAGRAM, flags, DEFAULT_HOP_LIMIT, self.node_id, node_id, head, payload)
         return True
@@ -1044,10 +1172,38 @@ class MeshService:
                     "name": link.peer.name if link.peer else "",
                     "fingerprint": ident.fingerprint[:16] if ident is not None else "",
                     "url": link.url,
+                    "path": self._path_word(link),
                     "latency_ms": round(link.latency_us / 1000, 3),
                     "bytes_in": link.bytes_in,
                     "bytes_out": link.bytes_out,
                 })
+        return out + self.relayed()
+
+    def _path_word(self, link: LinkBase) -> str:
+        if link.traversal_kind:
+            return "direct (traversal, " + ("local" if link.traversal_kind == 1 else "reflexive") + ")"
+        return "configured" if link in self._dialed.values() else "accepted"
+
+    def relayed(self) -> list[dict[str, Any]]:
+        """Nodes this node has traffic with through a relay (punching state), for /peers."""
+        if self.traversal is None:
+            return []
+        out = []
+        now = self.loop.time()
+        for nid, pair in self.traversal.pairs.table.items():
+            if nid in self.links or nid not in self.table.hop_paths:
+                continue
+            rec = self.table.records.get(nid)
+            via = self.table.hop_paths[nid].next_hop
+            via_rec = self.table.records.get(via)
+            state = ("punching" if pair.started >= 0 else
+                     f"next try in {max(0.0, pair.not_before - now):.0f}s" if pair.failures else "idle")
+            out.append({
+                "id": f"{nid:08x}", "name": rec.name if rec else "", "fingerprint": "",
+                "url": "", "path": f"relayed via {via_rec.name if via_rec else f'{via:08x}'} ({state})",
+                "latency_ms": round(self.table.hop_paths[nid].latency_us / 1000, 3),
+                "bytes_in": 0, "bytes_out": 0,
+            })
         return out
 
     def routes(self) -> list[dict[str, Any]]:
@@ -1095,6 +1251,7 @@ class MeshService:
             "peers": sum(len(v) for v in self.links.values()),
             "nodes": len(self.table.hop_paths),
             "streams": len(self.mux) if self.mux is not None else 0,
+            "traversal": self.traversal.status() if self.traversal is not None else self.traversal_off,
             "notes": [],
         }
 
