@@ -179,7 +179,13 @@ class Node:
         if cfg.tun.enable:
             from meshgate.mesh.tun import TunService
 
-            plan.append(TunService(cfg, self.mesh))
+            access = None
+            if self.exit_rules is not None and self.mesh is not None:
+                from meshgate.egress.acl import PacketAccess
+
+                # [[acl]] on TUN packets, by the authenticated source (a reload sets the rules)
+                access = PacketAccess(self.exit_rules, self.mesh)
+            plan.append(TunService(cfg, self.mesh, access=access))
         if cfg.admin.enable:
             from meshgate.admin import AdminService
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ from meshgate.mesh.certs import CertError
 from meshgate.policy import IPAddress, in_any
 
 if TYPE_CHECKING:
+    from meshgate.egress.rules import ExitRules
     from meshgate.mesh.service import MeshService
 
 
@@ -116,3 +118,27 @@ def source_in(mesh: MeshService, node_id: int, now: float) -> Source:
         with contextlib.suppress(CertError):
             groups = mesh.trust.certificate(rec.cert, int(now)).groups
     return Source(node_id, rec.name, groups, rec.ipv4.ip if rec.ipv4 is not None else None)
+
+
+class PacketAccess:
+    """[[acl]] for TUN packets (mesh/tun_firewall.py's Access): the node's current rules (a
+    reload replaces `rules.acl`), the destination as the rules see it (this node's own virtual
+    IP is "self"; a mapped proxy CIDR is its real network) and the source as the mesh
+    authenticated it. Asked once per new flow, not per packet."""
+
+    def __init__(self, rules: ExitRules, mesh: MeshService) -> None:
+        self.rules = rules
+        self.mesh = mesh
+
+    @property
+    def active(self) -> bool:
+        return self.rules.acl.active
+
+    def decide(self, node: int, dst: bytes, port: int, proto: str) -> int | None:
+        rules = self.rules
+        ip = ipaddress.ip_address(dst)
+        dest = None if ip in rules.own_ips else rules.translate(ip)
+        d = rules.acl.decide(source_in(self.mesh, node, time.time()), dest, port, proto)
+        if not d.allowed:
+            return None
+        return -1 if d.rule is None else d.rule

@@ -26,6 +26,12 @@ bigger than what the next hop carries whole (`mesh.datagram_room`): over a udp:/
 link, one packet's room, since a bundle cut into pieces is lost whole with any one
 of them (a 32 KB bundle of 1200-byte packets: ~27 packets lost per lost piece).
 
+Access rules (`[[acl]]`): with any rule, a packet from the mesh that ends here (this node's
+virtual IP, or its proxy-CIDR / exit egress) passes only as part of a flow a rule allowed or
+this node started, decided by the authenticated source node it was delivered from
+(meshgate/mesh/tun_firewall.py); a denied packet is answered with ICMP administratively
+prohibited through the mesh (rate-limited). With no rules nothing is tracked or checked.
+
 `TunPath` is the data path over any packet file descriptor (a TUN device, or a
 datagram socketpair in tests); `TunService` opens the device, configures
 addresses and routes, and keeps proxy-CIDR routes in step with the mesh.
@@ -49,6 +55,7 @@ from meshgate.mesh import channels
 from meshgate.mesh import tun_packets as tp
 from meshgate.mesh import tun_routes as tr
 from meshgate.mesh.service import MeshService
+from meshgate.mesh.tun_firewall import TRACKED, Access, Budget, Firewall
 from meshgate.metrics import REGISTRY, LocalCounter
 
 log = logging.getLogger("meshgate.mesh.tun")
@@ -64,6 +71,10 @@ READ_SIZE = 65536
 # destinations remembered per route build; exit traffic has many, so the cache is cleared
 # when full (a lookup costs microseconds; like the mesh's own lookup cache, of the same size)
 ROUTE_CACHE = 4096
+# ICMP "administratively prohibited" answers to denied packets, per node: a flood of denied
+# packets gets this many answers a second (Linux answers ~1000/s, icmp_msgs_per_sec)
+DENY_ICMP_RATE = 100.0
+DENY_ICMP_BURST = 50.0
 
 _packets = REGISTRY.counter("meshgate_tun_packets_total", "IP packets through the TUN device",
                             ("direction",))
@@ -73,6 +84,12 @@ _dropped = REGISTRY.counter("meshgate_tun_dropped_total", "IP packets the TUN pa
 _fragmented = REGISTRY.counter("meshgate_tun_fragmented_total",
                                "IPv4 packets without DF split to fit the device MTU")
 _icmp = REGISTRY.counter("meshgate_tun_icmp_sent_total", "ICMP errors the TUN path generated", ("kind",))
+_acl = REGISTRY.counter("meshgate_tun_acl_total",
+                        "TUN packets from the mesh decided by [[acl]]: new flows allowed (by rule), denied",
+                        ("verdict", "rule", "proto"))
+_ct_flows = REGISTRY.gauge("meshgate_tun_conntrack_flows", "Flows the TUN access rules track")
+_ct_evicted = REGISTRY.counter("meshgate_tun_conntrack_evicted_total",
+                               "Live tracked flows pushed out of a full table (limits.tun_conntrack_max)")
 _routes_gauge = REGISTRY.gauge("meshgate_tun_routes", "Proxy-CIDR routes installed via the TUN device")
 
 _KIND_NAMES = {id(tp.TIME_EXCEEDED): "time_exceeded", id(tp.NO_ROUTE): "no_route",
@@ -102,6 +119,7 @@ class TunPath:
         read_batch: int = 256,
         write_queue: int = 4096,
         vnet: int = 0,
+        firewall: Firewall | None = None,
     ) -> None:
         self.loop = loop
         self.fd = fd
@@ -124,6 +142,9 @@ class TunPath:
         # the payload a datagram to a node carries whole over its next hop (None: any size)
         self._room: Callable[[int], int] | None = getattr(mesh, "datagram_room", None)
         self._running = False
+        self.firewall = firewall  # [[acl]] on packets that end here; None: no access rules at all
+        self._deny_icmp = Budget(DENY_ICMP_RATE, DENY_ICMP_BURST)
+        self._now = 0.0  # loop time of the current device read batch (conntrack deadlines)
         self._out_pkts = LocalCounter(_packets.labels("to_mesh"))
         self._out_bytes = LocalCounter(_bytes.labels("to_mesh"))
         self._in_pkts = LocalCounter(_packets.labels("to_device"))
@@ -164,6 +185,8 @@ class TunPath:
         size = READ_SIZE + self.vnet
         n = 0
         nbytes = 0
+        if self.firewall is not None:
+            self._now = self.loop.time()
         for _ in range(self.read_batch):
             try:
                 pkt = os.read(fd, size)
@@ -254,6 +277,9 @@ class TunPath:
             _dropped.labels("ttl_expired").inc()
             self._icmp_local(self._ip(pkt), p, tp.TIME_EXCEEDED, node=node)
             return
+        fw = self.firewall
+        if fw is not None and fw.active:
+            fw.outbound(node, pkt, p, off, self._now)  # its answers may come back in
         buf = bytearray(pkt)
         tp.decrement_ttl(buf, off)  # the mesh is one router hop
         # a GSO super-packet is larger than the MTU by design: its segments are not
@@ -396,7 +422,32 @@ class TunPath:
             _rlog.debug(f"notours:{src_node}", "tun: node %08x sent a packet for %s, which this node does"
                         " not serve", src_node, ipaddress.ip_address(dst))
             return None
+        fw = self.firewall
+        if fw is not None and fw.active:
+            verdict, proto, port = fw.inbound(src_node, payload, p, off, self.loop.time())
+            if verdict is None:
+                self._deny(src_node, payload, p, off, proto, port)
+                return None
+            if verdict != TRACKED:
+                _acl.labels("new", str(verdict), proto).inc()
         return p
+
+    def _deny(self, src_node: int, payload: bytes, p: tp.Packet, off: int, proto: str, port: int) -> None:
+        """No rule allows it: counted, logged (rate-limited), and answered with ICMP
+        administratively prohibited to the sender, through the mesh to the node it came from."""
+        _acl.labels("denied", "none", proto).inc()
+        rec = getattr(getattr(self.mesh, "table", None), "records", {}).get(src_node)
+        _rlog.debug(f"acl:{src_node}", "tun: access rules: node %s (%08x) may not reach %s:%d over %s",
+                    getattr(rec, "name", "?") or "?", src_node, ipaddress.ip_address(p.dst), port, proto)
+        if not self._deny_icmp.take(self.loop.time()):
+            _dropped.labels("acl_icmp_rate").inc()
+            return
+        ip = memoryview(payload)[off:] if off else payload
+        own = self.own4 if p.version == 4 else self.own6
+        err = tp.icmp_error(ip, p, tp.ADMIN_PROHIBITED, own if own is not None else p.dst)
+        if err is not None:
+            _icmp.labels("admin_prohibited").inc()
+            self.mesh.send_datagram(src_node, L3_CHANNEL, err)
 
     def _queue_write(self, pkt: bytes | bytearray | memoryview, plain: bool) -> None:
         if len(self._out) >= self.write_queue:
@@ -469,8 +520,10 @@ class TunService:
     def __init__(
         self, config: Config, mesh: MeshService | None,
         opener: Callable[[str], tuple[Any, int, int]] | None = None,
+        access: Access | None = None,
     ) -> None:
         self.mesh = mesh
+        self.access = access  # [[acl]] (egress/acl.py PacketAccess); None: no rules ever checked
         self.cfg: Config = config
         self.tun_name = self.cfg.tun.name
         self.net = tr.NetConfig(self.cfg.state_path / f"tun-{self.tun_name}.json")
@@ -482,6 +535,7 @@ class TunService:
         self.notes: list[str] = []
         self._sync_task: asyncio.Task[None] | None = None
         self._sync_version: object = None
+        self._evicted = 0  # conntrack evictions already counted
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -504,6 +558,7 @@ class TunService:
                 cfg.node.ipv4.ip if cfg.node.ipv4 else None, cfg.node.ipv6.ip if cfg.node.ipv6 else None,
                 cfg.tun.mtu, tr.is_egress(cfg), cfg.limits.tun_read_batch, cfg.limits.tun_write_queue,
                 self.vnet,
+                Firewall(self.access, cfg.limits.tun_conntrack_max) if self.access is not None else None,
             )
             if tr.is_egress(cfg):
                 # the policy first, then forwarding on: no moment of forwarding without the policy
@@ -546,6 +601,16 @@ class TunService:
                 await self._sync_routes()
             except Exception:
                 log.exception("tun: route sync failed")
+            self._publish_conntrack()
+
+    def _publish_conntrack(self) -> None:
+        fw = self.path.firewall if self.path is not None else None
+        if fw is None:
+            return
+        _ct_flows.set(len(fw.flows))
+        if fw.flows.evicted > self._evicted:
+            _ct_evicted.inc(fw.flows.evicted - self._evicted)
+        self._evicted = fw.flows.evicted
 
     async def _sync_routes(self) -> None:
         mesh = self.mesh
@@ -597,6 +662,8 @@ class TunService:
             "exit": bool(self.cfg.mesh.exit_nodes),
             "egress": tr.is_egress(self.cfg),
             "notes": list(self.notes),
+            "acl": bool(self.access is not None and self.access.active),
+            "conntrack_flows": len(self.path.firewall.flows) if self.path and self.path.firewall else 0,
         }
 
 

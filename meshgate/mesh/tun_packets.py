@@ -108,6 +108,29 @@ def parse(pkt: bytes | bytearray | memoryview, off: int = 0) -> Packet:
     raise PacketError("bad_version")
 
 
+def parse_quote(pkt: bytes | bytearray | memoryview, off: int, end: int) -> Packet:
+    """The IP packet an ICMP error quotes, at `pkt[off:end]`: its header whole and at least
+    8 bytes after it (RFC 792), its length cut to what is quoted. Raises PacketError."""
+    n = end - off
+    if n < 1:
+        raise PacketError("short_quote")
+    version = pkt[off] >> 4
+    if version == 4:
+        if n < IPV4_HEADER:
+            raise PacketError("short_quote")
+        vihl, _tos, total, _ident, frag, ttl, proto, _csum, src, dst = _V4.unpack_from(pkt, off)
+        hlen = (vihl & 0x0F) * 4
+        if hlen < IPV4_HEADER or n < hlen + 8 or total < hlen:
+            raise PacketError("short_quote")
+        return Packet(4, src, dst, proto, min(total, n), hlen, ttl, bool(frag & 0x4000), (frag & 0x1FFF) == 0)
+    if version == 6:
+        if n < IPV6_HEADER + 8:
+            raise PacketError("short_quote")
+        _vtcfl, plen, nxt, hop, src, dst = _V6.unpack_from(pkt, off)
+        return Packet(6, src, dst, nxt, min(plen + IPV6_HEADER, n), IPV6_HEADER, hop, True, True)
+    raise PacketError("bad_version")
+
+
 # --------------------------------------------------------------------------- checksums
 
 

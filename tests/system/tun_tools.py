@@ -5,6 +5,7 @@
     python -m tests.system.tun_tools tcp DST PORT TEXT     (prints the echo: "<peer seen by server>|TEXT")
     python -m tests.system.tun_tools udp DST PORT TEXT
     python -m tests.system.tun_tools df-udp DST PORT SIZE  (one UDP datagram with DF set, for PMTU tests)
+    python -m tests.system.tun_tools raw-syn SRC DST PORT  (one IPv4 TCP SYN from any source address)
 
 Each client prints one JSON line. The echo server answers "<client address it saw>|<data>",
 so a test can tell whether the owner node masqueraded. No ping binary is needed:
@@ -164,6 +165,18 @@ def df_udp(dst: str, port: int, size: int, timeout: float = 3.0) -> dict[str, ob
     return {"sent": True, "mtu": mtu}
 
 
+def raw_syn(src: str, dst: str, port: int) -> dict[str, object]:
+    """One TCP SYN with a source address of our choosing (a member forging another's address)."""
+    s4, d4 = socket.inet_aton(src), socket.inet_aton(dst)
+    tcp = bytearray(struct.pack("!HHIIBBHHH", 40123, port, 1, 0, 0x50, 0x02, 65535, 0, 0))
+    struct.pack_into("!H", tcp, 16, _csum(s4 + d4 + struct.pack("!BBH", 0, 6, len(tcp)) + bytes(tcp)))
+    ip = bytearray(struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp), 1, 0x4000, 64, 6, 0, s4, d4))
+    struct.pack_into("!H", ip, 10, _csum(bytes(ip)))
+    with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as s:  # IP_HDRINCL implied
+        s.sendto(bytes(ip + tcp), (dst, 0))
+    return {"sent": True}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -186,6 +199,10 @@ def main() -> int:
     d.add_argument("dst")
     d.add_argument("port", type=int)
     d.add_argument("size", type=int)
+    r = sub.add_parser("raw-syn")
+    r.add_argument("src")
+    r.add_argument("dst")
+    r.add_argument("port", type=int)
     a = ap.parse_args()
     if a.cmd == "ping":
         out = ping(a.dst, a.count, a.size, a.timeout, a.ttl)
@@ -196,6 +213,8 @@ def main() -> int:
         out = tcp_client(a.dst, a.port, a.text, a.timeout)
     elif a.cmd == "udp":
         out = udp_client(a.dst, a.port, a.text, a.timeout)
+    elif a.cmd == "raw-syn":
+        out = raw_syn(a.src, a.dst, a.port)
     else:
         out = df_udp(a.dst, a.port, a.size)
     print(json.dumps(out), flush=True)

@@ -60,13 +60,22 @@ def test_bad_rules_are_config_errors_naming_the_key() -> None:
             {"from": ["nobody:x"], "to": ["self:22"]},
             {"from": ["*"], "to": ["self:0"]},
             {"from": ["*"], "to": ["10.0.0.0/8:70000"]},
-            {"from": ["*"], "to": ["self"], "proto": "icmp"},
+            {"from": ["*"], "to": ["self"], "proto": "sctp"},
             {"to": ["self"]},
             {"from": ["*"], "to": ["self"], "extra": 1},
         ]})
     keys = {p.key for p in e.value.problems}
     assert {"acl[0].from[0]", "acl[1].to[0]", "acl[2].to[0]", "acl[3].proto", "acl[4].from",
             "acl[5].extra"} <= keys
+
+
+def test_icmp_rules_match_icmp_only_and_port_rules_never_match_it() -> None:
+    # TUN packets (mesh/tun_firewall.py) ask with proto "icmp" and port 0
+    acl = _acl({"from": ["*"], "to": ["self"], "proto": "icmp"}, {"from": ["*"], "to": ["self:22"]})
+    assert acl.decide(BOB, None, 0, "icmp").rule == 0
+    assert acl.decide(BOB, None, 22, "tcp").rule == 1
+    assert not acl.decide(BOB, None, 80, "tcp").allowed
+    assert not _acl({"from": ["*"], "to": ["self:1-65535"]}).decide(BOB, None, 0, "icmp").allowed
 
 
 def test_ipv6_destinations_take_brackets() -> None:
