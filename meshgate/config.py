@@ -186,6 +186,8 @@ class DnsListenerConfig:
     key_rotation: float = 86400.0
     targets: tuple[str, ...] = ()
     allow_ip_targets: bool = False
+    # per-client query rate limit (limits.dns_client_*): None = on when bound off loopback
+    rate_limit: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -309,6 +311,16 @@ class LimitsConfig:
     doh_max_streams: int = 100
     # seconds a DoH/ODoH request may take to arrive whole (header block, then body), from its first byte
     doh_request_timeout: float = 5.0
+    # per-client DNS query rate on listeners with rate_limit (on by default off loopback): a token
+    # bucket per client address (IPv4 /dns_client_prefix_v4, IPv6 /dns_client_prefix_v6) refilled
+    # at dns_client_qps up to dns_client_burst; over it UDP answers every dns_client_slip-th query
+    # with TC (0: none) and drops the rest, other transports answer REFUSED
+    dns_client_qps: float = 50.0
+    dns_client_burst: int = 100
+    dns_client_slip: int = 2
+    dns_client_prefix_v4: int = 32
+    dns_client_prefix_v6: int = 56
+    dns_client_table: int = 65536  # client prefixes tracked per listener; more: the idle go first
     doq_max_streams: int = 64
     doq_stream_timeout: float = 5.0
     buffer_pool_size: int = 1024
@@ -643,7 +655,7 @@ def _read_users(value: object) -> User:
 
 _LISTENER_KEYS = [
     "protocol", "listen", "cert", "key", "path", "mode", "key_seed", "allow_doh",
-    "key_rotation", "targets", "allow_ip_targets",
+    "key_rotation", "targets", "allow_ip_targets", "rate_limit",
 ]
 
 
@@ -689,6 +701,7 @@ def _read_listener(r: _Reader, raw: object, prefix: str) -> DnsListenerConfig | 
         key_rotation=r.value(raw, prefix, "key_rotation", _positive_float, 86400.0),
         targets=r.items(raw, prefix, "targets", _parse_nonempty_str) or (),
         allow_ip_targets=r.value(raw, prefix, "allow_ip_targets", _parse_bool, False),
+        rate_limit=r.value(raw, prefix, "rate_limit", _parse_bool, None),
     )
 
 

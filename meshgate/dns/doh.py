@@ -27,6 +27,7 @@ from meshgate.config import HostPort
 from meshgate.dns.h1server import ALPN, start_https
 from meshgate.dns.h2server import Response, current_peer
 from meshgate.dns.listeners import Listener, bound_address
+from meshgate.dns.ratelimit import ClientRateLimit
 from meshgate.dns.resolver import Frontend, Later, Pipeline, Ready
 from meshgate.dns.stats import ListenerStats
 
@@ -65,8 +66,9 @@ def _error(status: int, text: str, extra: list[tuple[str, str]] | None = None) -
 
 
 class DohApp:
-    def __init__(self, pipeline: Pipeline, stats: ListenerStats, path: str = "/dns-query") -> None:
-        self.frontend = Frontend(pipeline, stats)
+    def __init__(self, pipeline: Pipeline, stats: ListenerStats, path: str = "/dns-query",
+                 limiter: ClientRateLimit | None = None) -> None:
+        self.frontend = Frontend(pipeline, stats, limiter=limiter)
         self.stats = stats
         self.path = path
         self.loop = asyncio.get_running_loop()
@@ -133,7 +135,7 @@ class DohListener(Listener):
     server: asyncio.Server | None = None
     async def _serve(self) -> HostPort:
         ssl = self.ssl_context(ALPN)
-        app = DohApp(self.pipeline, self.stats, self.cfg.path)
+        app = DohApp(self.pipeline, self.stats, self.cfg.path, self.limiter)
         hp = self.cfg.listen
         self.server, self.conns = await start_https(app, self.stats, self.limits, hp.host, hp.port, ssl,
                                                  reuse_port=self.reuse_port)

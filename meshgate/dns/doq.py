@@ -39,6 +39,7 @@ from meshgate.config import HostPort, LimitsConfig
 from meshgate.conns import admit
 from meshgate.dns import wire
 from meshgate.dns.listeners import Listener, bound_address
+from meshgate.dns.ratelimit import ClientRateLimit
 from meshgate.dns.resolver import Frontend, Pipeline, Ready
 from meshgate.dns.stats import ListenerStats
 from meshgate.logs import RateLimitedLog
@@ -311,12 +312,13 @@ class DoqProtocol(QuicConnectionProtocol):
 
 
 async def start_doq(pipeline: Pipeline, stats: ListenerStats, limits: LimitsConfig, host: str, port: int,
-                    cert: str, key: str) -> tuple[QuicServer, set[DoqProtocol]]:
+                    cert: str, key: str, limiter: ClientRateLimit | None = None
+                    ) -> tuple[QuicServer, set[DoqProtocol]]:
     config = QuicConfiguration(is_client=False, alpn_protocols=["doq"],
                                idle_timeout=limits.dns_tcp_idle_timeout)
     config.load_cert_chain(cert, key)
     tickets = TicketStore()
-    frontend = Frontend(pipeline, stats)
+    frontend = Frontend(pipeline, stats, limiter=limiter)
     conns: set[DoqProtocol] = set()
 
     def make(*args: Any, **kwargs: Any) -> DoqProtocol:
@@ -345,7 +347,7 @@ class DoqListener(Listener):
         cert, key = self.tls_files()
         hp = self.cfg.listen
         self.server, self.conns = await start_doq(self.pipeline, self.stats, self.limits, hp.host, hp.port,
-                                                  cert, key)
+                                                  cert, key, self.limiter)
         t = self.server._transport
         return bound_address(t.get_extra_info("sockname")) if t is not None else hp
 

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 from meshgate import tls
 from meshgate.config import Config, DnsListenerConfig, HostPort, LimitsConfig
+from meshgate.dns import ratelimit
 from meshgate.dns.kinds import load_class
 from meshgate.dns.resolver import Pipeline
 from meshgate.dns.stats import ListenerStats
@@ -72,6 +73,9 @@ class Listener:
         self.bound: HostPort | None = None
         self.conns: set[Any] = set()  # live connections (none for UDP)
         self.generated_cert: Path | None = None  # the certificate the local CA issued it, if any
+        # Per-client query rate (dns/ratelimit.py): `rate_limit`, on by default off loopback. One
+        # table per listener and per process (with dns.workers, each worker counts its own share).
+        self.limiter = ratelimit.for_listener(cfg, config.limits)
         self._tls: tuple[str, str] | None = None
 
     # ------------------------------------------------------------------ names

@@ -22,6 +22,7 @@ from meshgate.buffers import Buffer, abandon_parked, drain_parked, release_when_
 from meshgate.config import HostPort, LimitsConfig
 from meshgate.conns import IdleTimer, admit
 from meshgate.dns.listeners import Listener, bound_address, serve_stream
+from meshgate.dns.ratelimit import ClientRateLimit
 from meshgate.dns.resolver import Frontend, Pipeline, Ready
 from meshgate.dns.stats import ListenerStats
 from meshgate.logs import RateLimitedLog
@@ -39,8 +40,9 @@ SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 
 
 class UdpDnsProtocol(asyncio.DatagramProtocol):
-    def __init__(self, pipeline: Pipeline, stats: ListenerStats) -> None:
-        self.frontend = Frontend(pipeline, stats)
+    def __init__(self, pipeline: Pipeline, stats: ListenerStats,
+                 limiter: ClientRateLimit | None = None) -> None:
+        self.frontend = Frontend(pipeline, stats, limiter=limiter)
         self.stats = stats
         self.transport: asyncio.DatagramTransport | None = None
         self.loop = asyncio.get_running_loop()
@@ -81,8 +83,8 @@ class StreamDnsProtocol(asyncio.Protocol):
     """DNS over TCP or TLS: 2-byte length frames, pipelined, answered out of order."""
 
     def __init__(self, pipeline: Pipeline, stats: ListenerStats, limits: LimitsConfig,
-                 conns: set[StreamDnsProtocol]) -> None:
-        self.frontend = Frontend(pipeline, stats)
+                 conns: set[StreamDnsProtocol], limiter: ClientRateLimit | None = None) -> None:
+        self.frontend = Frontend(pipeline, stats, limiter=limiter)
         self.stats = stats
         self.limits = limits
         self.conns = conns
@@ -213,11 +215,13 @@ class StreamDnsProtocol(asyncio.Protocol):
         self.transport = None
 
 
-async def start_udp(pipeline: Pipeline, stats: ListenerStats, host: str,
-                    port: int, *, reuse_port: bool = False) -> asyncio.DatagramTransport:
+async def start_udp(pipeline: Pipeline, stats: ListenerStats, host: str, port: int, *,
+                    reuse_port: bool = False, limiter: ClientRateLimit | None = None
+                    ) -> asyncio.DatagramTransport:
     loop = asyncio.get_running_loop()
     transport, _ = await loop.create_datagram_endpoint(
-        lambda: UdpDnsProtocol(pipeline, stats), local_addr=(host, port), reuse_port=reuse_port or None
+        lambda: UdpDnsProtocol(pipeline, stats, limiter), local_addr=(host, port),
+        reuse_port=reuse_port or None,
     )
     sock = transport.get_extra_info("socket")
     if sock is not None:
@@ -230,11 +234,11 @@ async def start_udp(pipeline: Pipeline, stats: ListenerStats, host: str,
 
 
 async def start_stream(pipeline: Pipeline, stats: ListenerStats, limits: LimitsConfig, host: str, port: int,
-                       ssl: Any = None, *, reuse_port: bool = False
+                       ssl: Any = None, *, reuse_port: bool = False, limiter: ClientRateLimit | None = None
                        ) -> tuple[asyncio.Server, set[StreamDnsProtocol]]:
     conns: set[StreamDnsProtocol] = set()
-    server = await serve_stream(lambda: StreamDnsProtocol(pipeline, stats, limits, conns), limits, host, port,
-                                ssl, reuse_port=reuse_port)
+    server = await serve_stream(lambda: StreamDnsProtocol(pipeline, stats, limits, conns, limiter), limits,
+                                host, port, ssl, reuse_port=reuse_port)
     return server, conns
 
 
@@ -251,7 +255,7 @@ class UdpListener(Listener):
     async def _serve(self) -> HostPort:
         hp = self.cfg.listen
         self.transport = await start_udp(self.pipeline, self.stats, hp.host, hp.port,
-                                         reuse_port=self.reuse_port)
+                                         reuse_port=self.reuse_port, limiter=self.limiter)
         return bound_address(self.transport.get_extra_info("sockname"))
 
     async def stop(self) -> None:
@@ -272,7 +276,7 @@ class TcpListener(Listener):
         ssl = self.ssl_context(self.alpn) if self.alpn is not None else None
         hp = self.cfg.listen
         self.server, self.conns = await start_stream(self.pipeline, self.stats, self.limits, hp.host, hp.port,
-                                                     ssl, reuse_port=self.reuse_port)
+                                                     ssl, reuse_port=self.reuse_port, limiter=self.limiter)
         return bound_address(self.server.sockets[0].getsockname())
 
     async def stop(self) -> None:

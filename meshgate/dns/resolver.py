@@ -39,8 +39,8 @@ from meshgate.config import Config, DnsBlocklistConfig
 from meshgate.dns import wire
 from meshgate.dns.blocklist import Blocklist
 from meshgate.dns.cache import AnswerCache
-from meshgate.dns.ratelimit import DROP, ClientRateLimit
 from meshgate.dns.querylog import QueryLog
+from meshgate.dns.ratelimit import DROP, ClientRateLimit
 from meshgate.dns.routes import RouteTable, UpstreamGroup
 from meshgate.dns.stats import ListenerStats
 from meshgate.dns.upstream import MeshRoute, Upstream, parse_upstream, resolv_conf_upstreams
@@ -543,7 +543,8 @@ class Frontend:
         """Over the client's rate: on UDP drop it, or (a SLIP) answer an empty TC response; on a
         stream transport answer REFUSED. Counted under drops, one rate-limited line per client."""
         stats = self.stats
-        rlog.debug(f"{stats.name} ratelimit {peer}", "dns %s: %s over limits.dns_client_qps", stats.name, peer)
+        rlog.debug(f"{stats.name} ratelimit {peer}", "dns %s: %s over limits.dns_client_qps",
+                   stats.name, peer)
         if udp and verdict == DROP:
             stats.drop("rate_limit")
             return None

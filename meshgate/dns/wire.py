@@ -519,11 +519,15 @@ def pack_answer(buf: Buffer, ans: Answer, q: Query, now: float, *, limit: int = 
 
 
 def pack_error(buf: Buffer, qid: int, qflags: int, rcode: int, question: bytes | None, *,
-               edns: bool = False, do: bool = False, pad: bool = False, ede: int | None = None) -> None:
-    """FORMERR/SERVFAIL/NOTIMP/REFUSED/BADVERS for a query (question echoed when known)."""
+               edns: bool = False, do: bool = False, pad: bool = False, ede: int | None = None,
+               tc: bool = False) -> None:
+    """FORMERR/SERVFAIL/NOTIMP/REFUSED/BADVERS for a query (question echoed when known); with
+    `tc`, the empty truncated answer a rate-limited UDP client gets (retry over TCP)."""
     data = buf.data
     base = buf.headroom
     flags = FLAG_QR | FLAG_RA | (qflags & (0x7800 | FLAG_RD | FLAG_CD)) | (rcode & 0xF)
+    if tc:
+        flags |= FLAG_TC
     qd = 1 if question is not None else 0
     _HEADER.pack_into(data, base, qid, flags, qd, 0, 0, 1 if edns else 0)
     end = base + 12
