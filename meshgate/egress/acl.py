@@ -134,6 +134,10 @@ class PacketAccess:
     def active(self) -> bool:
         return self.rules.acl.active
 
+    @property
+    def version(self) -> object:
+        return self.rules.acl  # a reload makes a new Acl
+
     def decide(self, node: int, dst: bytes, port: int, proto: str) -> int | None:
         rules = self.rules
         ip = ipaddress.ip_address(dst)

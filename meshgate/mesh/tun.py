@@ -607,10 +607,10 @@ class TunService:
         fw = self.path.firewall if self.path is not None else None
         if fw is None:
             return
-        _ct_flows.set(len(fw.flows))
-        if fw.flows.evicted > self._evicted:
-            _ct_evicted.inc(fw.flows.evicted - self._evicted)
-        self._evicted = fw.flows.evicted
+        _ct_flows.set(len(fw))
+        if fw.evicted > self._evicted:
+            _ct_evicted.inc(fw.evicted - self._evicted)
+        self._evicted = fw.evicted
 
     async def _sync_routes(self) -> None:
         mesh = self.mesh
@@ -663,7 +663,7 @@ class TunService:
             "egress": tr.is_egress(self.cfg),
             "notes": list(self.notes),
             "acl": bool(self.access is not None and self.access.active),
-            "conntrack_flows": len(self.path.firewall.flows) if self.path and self.path.firewall else 0,
+            "conntrack_flows": len(self.path.firewall) if self.path and self.path.firewall else 0,
         }
 
 

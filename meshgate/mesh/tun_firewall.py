@@ -21,10 +21,16 @@ passes when the packet it quotes belongs to a tracked flow. A non-first IPv4
 fragment has no ports (0): it passes only a rule without a port list, as in
 Nebula. IPv6 extension headers are not walked (the first next-header counts).
 
+Two tables, each half of `max_flows`: the flows this node started, and the flows a rule
+let in. A flood of new flows from a member some rule allows cannot push the node's own flows
+out, and when the rules change (a reload) the second table is emptied, so every flow a rule
+let in is decided again by the new rules at its next packet (Nebula re-checks its conntrack
+on reload too); the node's own flows stay.
+
 Timeouts are Nebula's defaults: TCP 12 minutes, UDP 3 minutes, ICMP (and any
 other protocol) 10 seconds, refreshed by traffic in either direction (at most
 once a second per flow, so the hot path is one dict lookup). The table is an
-LRU of at most `max_flows` entries; a full table evicts the least recently
+LRU, the two of at most `max_flows` entries together; a full table evicts the least recently
 refreshed flow (counted), so a flood of new flows costs old idle ones their
 entry, never memory.
 
@@ -63,6 +69,11 @@ class Access(Protocol):
     @property
     def active(self) -> bool:
         """False with no [[acl]] at all: every packet passes, nothing is tracked."""
+        ...
+
+    @property
+    def version(self) -> object:
+        """Another object once the rules changed: flows they let in are decided again."""
         ...
 
     def decide(self, node: int, dst: bytes, port: int, proto: str) -> int | None:
@@ -213,33 +224,54 @@ class Firewall:
 
     def __init__(self, access: Access, max_flows: int) -> None:
         self.access = access
-        self.flows = ConnTrack(max_flows)
+        self.own = ConnTrack(max(1, max_flows // 2))  # flows this node started
+        self.allowed = ConnTrack(max(1, max_flows // 2))  # flows a rule let in
+        self._rules = access.version
+        self.rechecks = 0  # rule changes that emptied `allowed`
+
+    def __len__(self) -> int:
+        return len(self.own) + len(self.allowed)
+
+    @property
+    def evicted(self) -> int:
+        return self.own.evicted + self.allowed.evicted
 
     @property
     def active(self) -> bool:
         return self.access.active
 
+    def _check_rules(self) -> None:
+        version = self.access.version
+        if version is not self._rules:
+            self._rules = version
+            self.allowed.clear()
+            self.rechecks += 1
+
     def outbound(self, node: int, pkt: bytes | bytearray | memoryview, p: tp.Packet, off: int,
                  now: float) -> None:
-        """A packet this node sends into the mesh to `node`: its answers may come back."""
+        """A packet this node sends into the mesh to `node`: its answers may come back (an
+        answer within a flow a rule let in refreshes that flow, and stays subject to the rules)."""
         key = outbound_key(node, pkt, p, off)
         if key is not None:
-            self.flows.add(key, now)
+            self._check_rules()
+            if not self.allowed.hit(key, now):
+                self.own.add(key, now)
 
     def inbound(self, node: int, pkt: bytes | bytearray | memoryview, p: tp.Packet, off: int,
                 now: float) -> tuple[int | None, str, int]:
         """A packet from `node` (authenticated) that ends here: (verdict, proto, port). The
         verdict is TRACKED, a rule index (a new flow, now tracked), NO_RULES, or None (denied)."""
+        self._check_rules()
         key = inbound_key(node, pkt, p, off)
         if key is None:  # an ICMP error: only about a flow this node has
             related = quoted_key(node, pkt, p, off)
-            ok = related is not None and self.flows.hit(related, now)
+            ok = related is not None and (self.own.hit(related, now) or self.allowed.hit(related, now))
             return (TRACKED if ok else None), "icmp", 0
-        if self.flows.hit(key, now):
+        if self.own.hit(key, now) or self.allowed.hit(key, now):
             return TRACKED, "", 0
         proto = proto_name(p.proto)
         port = key[5] if proto != "icmp" else 0
         verdict = self.access.decide(node, p.dst, port, proto)
         if verdict is not None:
-            self.flows.add(key, now)
+            self.allowed.add(key, now)
         return verdict, proto, port

@@ -190,3 +190,15 @@ def test_acl_test_agrees(topo: Topology) -> None:
     assert decide("group:servers", "self", "7000").startswith("denied")
     assert decide("10.144.144.2", "self", "7002").startswith("denied")
     assert decide("10.144.144.1", "self", "7002").startswith("allowed by acl[2]")
+
+
+def test_a_reload_applies_new_rules_to_tun(topo: Topology) -> None:
+    # last: changes C's rules. Without the laptops' tcp rule A's connect to 7000 is refused,
+    # while C's own flows still get their answers
+    conf = topo.workdir / "c.toml"
+    conf.write_text(conf.read_text().replace('to = ["self:7000", "10.1.2.0/24:7000"]', 'to = ["self:7009"]'))
+    r = topo.nsexec("c", sys.executable, "-m", "meshgate", "reload", check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert refused(connect(topo, "a", "10.144.144.3", "7000"))
+    assert refused(connect(topo, "a", "10.1.2.10", "7000"))
+    assert connect(topo, "c", "10.144.144.1", "7000")["ok"]

@@ -54,6 +54,10 @@ class RuleAccess:
     def active(self) -> bool:
         return self.acl.active
 
+    @property
+    def version(self) -> object:
+        return self.acl
+
     def decide(self, node: int, dst: bytes, port: int, proto: str) -> int | None:
         self.asked += 1
         d = self.acl.decide(self.who.get(node, Source(node)), None if dst in (B4, B6) else
@@ -207,6 +211,34 @@ def test_rules_allow_new_flows_and_replies_pass_only_from_the_node_they_are_with
     assert f.inbound(PEER, unrelated, tp.parse(unrelated), 0, 4.0) == (None, "icmp", 0)
 
 
+def test_new_rules_decide_again_what_old_rules_let_in_but_not_the_nodes_own_flows() -> None:
+    acc = access(SSH_ONLY, {"from": ["*"], "to": ["self:80"], "proto": "tcp"})
+    f = fw.Firewall(acc, 64)
+    web = ipv4(A4, B4, tp.PROTO_TCP, tcp(40001, 80))
+    assert f.inbound(OTHER, web, tp.parse(web), 0, 0.0)[0] == 1
+    answer = ipv4(B4, A4, tp.PROTO_TCP, tcp(80, 40001, 0x12))
+    f.outbound(OTHER, answer, tp.parse(answer), 0, 0.1)  # the answer: the same flow, still a rule's
+    own = ipv4(B4, A4, tp.PROTO_TCP, tcp(50000, 8080))
+    f.outbound(PEER, own, tp.parse(own), 0, 0.1)
+    assert (len(f.allowed), len(f.own)) == (1, 1)
+    acc.acl = Acl(from_dict({"acl": [SSH_ONLY]}).acl)  # a reload: port 80 is no longer open
+    assert f.inbound(OTHER, web, tp.parse(web), 0, 1.0)[0] is None and f.rechecks == 1
+    back = ipv4(A4, B4, tp.PROTO_TCP, tcp(8080, 50000, 0x12))
+    assert f.inbound(PEER, back, tp.parse(back), 0, 1.0)[0] == fw.TRACKED
+
+
+def test_a_flood_of_allowed_flows_does_not_push_out_the_nodes_own() -> None:
+    f = fw.Firewall(access({"from": ["*"], "to": ["self"]}), 8)
+    own = ipv4(B4, A4, tp.PROTO_UDP, udp(50000, 53))
+    f.outbound(PEER, own, tp.parse(own), 0, 0.0)
+    for i in range(100):
+        pkt = ipv4(A4, B4, tp.PROTO_UDP, udp(1000 + i, 9))
+        assert f.inbound(OTHER, pkt, tp.parse(pkt), 0, 0.0)[0] == 0
+    assert len(f) == 5 and f.evicted == 96  # bounded: 4 + 4
+    back = ipv4(A4, B4, tp.PROTO_UDP, udp(53, 50000))
+    assert f.inbound(PEER, back, tp.parse(back), 0, 0.5)[0] == fw.TRACKED
+
+
 # --------------------------------------------------------------------------- the TUN path
 
 
@@ -278,7 +310,7 @@ async def test_without_rules_nothing_is_tracked(pair: Any) -> None:
     assert await recv(host) == pkt
     host.send(ipv4(B4, A4, tp.PROTO_UDP, udp(50000, 53)))
     await recv_mesh(mesh)
-    assert len(f.flows) == 0
+    assert len(f) == 0
     path.stop()
 
 
