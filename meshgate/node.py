@@ -365,4 +365,7 @@ class Node:
             out["id"] = self.mesh.node_id_text
             out["fingerprint"] = self.mesh.identity.fingerprint
             out["identity"] = self.mesh.identity_text()
+            out["traversal"] = self.mesh.traversal_text()
+            if self.mesh.traversal is not None:
+                out["traversal_counters"] = self.mesh.traversal.status()["counters"]
         return out

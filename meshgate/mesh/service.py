@@ -90,6 +90,7 @@ _rlog = RateLimitedLog(log)
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 DatagramCallback = Callable[[int, bytes], None]
 CHANNEL = struct.Struct("!H")
+STREAM_FRAMES = frozenset(range(STREAM_OPEN, STREAM_RESET + 1))  # frames.STREAM_OPEN .. STREAM_RESET
 UNREACH = struct.Struct("!IB")  # UNREACHABLE body: the destination a relay could not reach, code
 
 _handshakes = REGISTRY.counter("meshgate_mesh_handshakes_total", "Link handshakes", ("result",))
@@ -219,10 +220,10 @@ class MeshService:
         self.stats: collections.Counter[str] = collections.Counter()  # per-instance, for tests and status
         self.traversal: TraversalAgent | None = None
         self.traversal_off = ""  # why there is no traversal agent (meshgate status)
-        # streams a new direct link must not take (they keep the relay path they started on,
-        # whose frames are still in flight: switching would reorder their bytes): peer -> link
-        # they stay on, and their (sid, opened here) keys
-        self._pinned: dict[int, tuple[LinkBase, set[tuple[int, bool]]]] = {}
+        # streams that went through a relay stay on it when a direct link to their far end
+        # comes (their frames there are still on the way; the new link would let later bytes
+        # overtake them): far node -> (sid, opened here) -> the link they went out on
+        self._pinned: dict[int, dict[tuple[int, bool], LinkBase]] = {}
         self._ticks = 0
         self._running = False
 
@@ -455,8 +456,8 @@ class MeshService:
         self.peer_identity[link] = checked
         links = self.links.setdefault(peer.node_id, [])
         first = not links
-        if self.traversal is not None and self.traversal.link_up(link) and first:
-            self._pin_streams(peer.node_id)
+        if self.traversal is not None:
+            self.traversal.link_up(link)
         links.append(link)
         _links_gauge.inc()
         log.info("mesh link up: %s (%s %08x)", link.url, peer.name, peer.node_id)
@@ -936,7 +937,7 @@ class MeshService:
         """Send an end-to-end frame from this node; False if there is no route."""
         flags |= self.policy_flag
         link = self._route_link(dst, flags)
-        if self._pinned and dst in self._pinned:
+        if self._pinned and dst in self._pinned and ftype in STREAM_FRAMES:
             link = self._pinned_link(dst, flags, head) or link
         if link is None:
             link = self._way_back(dst)
@@ -944,6 +945,8 @@ class MeshService:
                 return False
         assert link.peer is not None
         if link.peer.node_id != dst:  # relayed: sealed end to end
+            if ftype in STREAM_FRAMES and len(head) >= 4:
+                self._pinned.setdefault(dst, {})[(SID.unpack_from(head)[0], bool(flags & FLAG_OPENER))] = link
             if self.traversal is not None and ftype != TRAVERSAL:
                 self.traversal.relayed(dst)
             return self._send_sealed(link, dst, ftype, flags, bytes(head) + bytes(data), False)
@@ -995,33 +998,29 @@ class MeshService:
 
         return link_udp.UdpLink(self, url, initiator, sock, addr, self.config.limits)
 
-    def _pin_streams(self, peer: int) -> None:
-        """A direct link to `peer` is up where its traffic went through a relay: the streams
-        with it keep the relay (their frames there are still on the way; taking the new link
-        would let later bytes overtake them). New streams take the direct link."""
-        if self.mux is None:
-            return
-        keys = {(sid, local) for (p, sid, local) in self.mux.streams if p == peer}
-        old = self._route_link(peer, self.policy_flag)
-        if keys and old is not None:
-            self._pinned[peer] = (old, keys)
-            self.stats["streams_pinned"] += len(keys)
-
     def _pinned_link(self, dst: int, flags: int, head: bytes | bytearray | memoryview) -> LinkBase | None:
-        old, keys = self._pinned[dst]
-        if len(head) < 4 or (SID.unpack_from(head)[0], bool(flags & FLAG_OPENER)) not in keys:
+        """The relay link a stream's earlier frames took, while it is up (see `_pinned`)."""
+        if len(head) < 4:
+            return None
+        pins = self._pinned[dst]
+        key = (SID.unpack_from(head)[0], bool(flags & FLAG_OPENER))
+        old = pins.get(key)
+        if old is None:
             return None
         if old.peer is None or old not in self.links.get(old.peer.node_id, ()):
-            del self._pinned[dst]  # the relay link went: the streams take the route there is
+            del pins[key]  # the relay link went: the stream takes the route there is
             return None
+        self.stats["sent_pinned"] += 1
         return old
 
     def _unpin_finished(self) -> None:
+        """Once a tick: forget the pins of streams that ended."""
         assert self.mux is not None
         streams = self.mux.streams
-        for peer, (_old, keys) in list(self._pinned.items()):
-            keys.intersection_update({k for k in keys if (peer, k[0], k[1]) in streams})
-            if not keys:
+        for peer, pins in list(self._pinned.items()):
+            for key in [k for k in pins if (peer, k[0], k[1]) not in streams]:
+                del pins[key]
+            if not pins:
                 del self._pinned[peer]
 
     def _traversal_link_gone(self, link: LinkBase) -> None:
@@ -1034,7 +1033,7 @@ class MeshService:
         peer = link.peer.node_id
         if self.mux is None or not link.buffered():
             return
-        pinned = self._pinned.get(peer, (link, set()))[1]
+        pinned = set(self._pinned.get(peer, {}))
         reset = self.mux.reset_peer(peer, NETWORK_UNREACHABLE, keep=pinned)
         if reset:
             self.stats["streams_reset_link_lost"] += reset
@@ -1229,6 +1228,16 @@ class MeshService:
                 "latency_ms_ll": round(lat.latency_us / 1000, 3),
             })
         return out
+
+    def traversal_text(self) -> str:
+        """NAT traversal in words, for `meshgate status`: on (port, endpoints, direct links) or
+        off and why."""
+        t = self.traversal
+        if t is None:
+            return self.traversal_off
+        st = t.status()
+        eps = ", ".join(st["endpoints"]) or "no endpoints known yet"
+        return f"on, udp port {st['port']}: {eps}; {st['direct_links']} direct links by traversal"
 
     def identity_text(self) -> str:
         """The mode in words, for `meshgate status`."""

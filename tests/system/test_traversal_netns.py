@@ -1,0 +1,156 @@
+"""NAT traversal through real NATs (network namespaces, nftables masquerade; root only).
+
+A and B sit behind their own NAT routers and know only the public relay R (udp://). They
+find a direct udp:// link by themselves where their NATs allow it, and keep using R where
+they do not. See tests/system/nat_topology.py for the picture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import require, require_tool
+from tests.system.nat_topology import B_PORT, NatTopology
+
+R_URL = "udp://198.51.100.2:7000"
+SERVE = '[serve]\n9000 = "127.0.0.1:9000"\n'
+
+
+def _require() -> None:
+    require(os.geteuid() == 0, "root (network namespaces)")
+    for tool in ("ip", "nft", "curl", "conntrack"):
+        require_tool(tool)
+
+
+def _topology(tmp_path: Path, nat1: str, nat2: str, hosts: tuple[str, ...] = ("a", "b")) -> NatTopology:
+    topo = NatTopology(prefix=f"mgn{uuid.uuid4().hex[:6]}", workdir=tmp_path, nat1=nat1, nat2=nat2)
+    topo.build()
+    topo.node_config("r", 'listen = ["udp://0.0.0.0:7000"]', 'ipv4 = "10.144.0.1/24"')
+    ips = {"a": "10.144.0.2/24", "b": "10.144.0.3/24", "a2": "10.144.0.4/24"}
+    for host in hosts:
+        listen = f'listen = ["udp://0.0.0.0:{B_PORT}"]\n' if host == "b" else ""
+        topo.node_config(host, f'{listen}peers = ["{R_URL}"]', f'ipv4 = "{ips[host]}"\n{SERVE}')
+    for role in ("r", *hosts):
+        topo.start_node(role)
+    for host in hosts:
+        topo.spawn(f"sink-{host}", host, [sys.executable, "-m", "tests.system.nat_tools", "sink", "9000"])
+    for host in hosts:
+        topo.wait(lambda h=host: any(p["name"] == "r" for p in _peers_or_empty(topo, h)), 30,
+                  f"{host} - r link")
+    topo.wait(lambda: all(len(_routes(topo, h)) >= len(hosts) + 1 for h in hosts), 30,
+              "every node routes to every other")
+    return topo
+
+
+def _peers_or_empty(topo: NatTopology, role: str) -> list[dict[str, object]]:
+    try:
+        return topo.peers(role)
+    except AssertionError:
+        return []
+
+
+def _routes(topo: NatTopology, role: str) -> list[object]:
+    try:
+        out = topo.admin(role, "/routes")
+    except AssertionError:
+        return []
+    return out if isinstance(out, list) else []
+
+
+def _send(topo: NatTopology, src: str, dst_ip: str, mib: int) -> dict[str, object]:
+    r = topo.nsexec(src, sys.executable, "-m", "tests.system.nat_tools", "send", dst_ip, "9000", str(mib),
+                    timeout=300)
+    try:
+        out: dict[str, object] = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise AssertionError(f"send from {src}: {r.stdout!r} {r.stderr!r}") from None
+    return out
+
+
+def _relay_bytes(topo: NatTopology) -> int:
+    return sum(int(p["bytes_in"]) + int(p["bytes_out"]) for p in topo.peers("r"))  # type: ignore[call-overload]
+
+
+@pytest.fixture
+def nat_topo(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[NatTopology]:
+    _require()
+    nat1, nat2, hosts = request.param
+    topo = _topology(tmp_path, nat1, nat2, hosts)
+    try:
+        yield topo
+    finally:
+        topo.destroy()
+
+
+@pytest.mark.parametrize("nat_topo", [("restricted", "restricted", ("a", "b"))], indirect=True)
+def test_port_restricted_nats_punch_and_traffic_leaves_the_relay(nat_topo: NatTopology) -> None:
+    topo = nat_topo
+    first = _send(topo, "a", "10.144.0.3", 1)  # relayed: asks for a direct path
+    assert first == {**first, "ok": True, "match": True}, first
+    took = topo.wait(lambda: topo.direct_to("a", "b") is not None and topo.direct_to("b", "a") is not None,
+                     15, "a direct link a - b")
+    link = topo.direct_to("a", "b")
+    assert link is not None and str(link["path"]) == "direct (traversal, reflexive)", link
+    assert str(link["url"]).startswith("udp://192.0.2.2:"), link  # B's NAT's public address
+    print(f"direct link {took:.2f}s after the first relayed stream")
+    before = _relay_bytes(topo)
+    out = _send(topo, "a", "10.144.0.3", 100)
+    assert out["ok"] and out["match"], (out, topo.log("a"), topo.log("b"))
+    through_r = _relay_bytes(topo) - before
+    assert through_r < 0.01 * 100 * (1 << 20), f"{through_r} bytes of 100 MiB went through R"
+    counters = topo.traversal("a")
+    assert counters.get("succeeded", 0) >= 1, counters
+
+    # N1 forgets every mapping mid-transfer: the transfer survives (sha256), the pair is direct again
+    import threading
+
+    result: dict[str, object] = {}
+    t = threading.Thread(target=lambda: result.update(_send(topo, "a", "10.144.0.3", 64)))
+    t.start()
+    topo.wait(lambda: _relay_bytes(topo) >= 0, 1, "transfer started")
+    topo.flush_conntrack("n1")
+    t.join(300)
+    assert result.get("ok") and result.get("match"), result
+    topo.wait(lambda: topo.direct_to("a", "b") is not None, 30, "direct again after the flush")
+
+
+@pytest.mark.parametrize("nat_topo", [("random", "full_cone", ("a", "b"))], indirect=True)
+def test_random_mapping_against_a_port_forward_punches(nat_topo: NatTopology) -> None:
+    topo = nat_topo
+    assert _send(topo, "a", "10.144.0.3", 1)["match"]
+    topo.wait(lambda: topo.direct_to("a", "b") is not None, 15, "a direct link a - b")
+    out = _send(topo, "a", "10.144.0.3", 8)
+    assert out["ok"] and out["match"], out
+
+
+@pytest.mark.parametrize("nat_topo", [("random", "random", ("a", "b"))], indirect=True)
+def test_symmetric_nats_stay_relayed_within_the_probe_budget(nat_topo: NatTopology) -> None:
+    topo = nat_topo
+    for _ in range(3):
+        out = _send(topo, "a", "10.144.0.3", 2)
+        assert out["ok"] and out["match"], out
+    topo.wait(lambda: sum(v for k, v in topo.traversal("a").items() if k.startswith("failed_")) >= 1,
+              20, "a's failed attempt counted")
+    assert topo.direct_to("a", "b") is None
+    relayed = [p for p in topo.peers("a") if p["name"] == "b"]
+    assert relayed and str(relayed[0]["path"]).startswith("relayed via r"), relayed
+    for role in ("a", "b"):
+        counters = topo.traversal(role)
+        assert counters.get("probes_out", 0) <= 60, (role, counters)  # limits.traversal_probes_per_minute
+
+
+@pytest.mark.parametrize("nat_topo", [("restricted", "restricted", ("a", "a2", "b"))], indirect=True)
+def test_two_nodes_behind_one_nat_connect_over_the_lan(nat_topo: NatTopology) -> None:
+    topo = nat_topo
+    assert _send(topo, "a", "10.144.0.4", 1)["match"]
+    topo.wait(lambda: topo.direct_to("a", "a2") is not None, 15, "a direct link a - a2")
+    link = topo.direct_to("a", "a2")
+    assert link is not None and str(link["url"]).startswith("udp://10.1.0.3:"), link
+    assert str(link["path"]) == "direct (traversal, local)", link
