@@ -31,7 +31,7 @@ B_PORT = 41641  # B's udp:// listener (the statically forwarded port in the full
 @dataclass
 class NatTopology(Topology):
     names: tuple[str, ...] = ("wan", "r", "n1", "n2", "a", "a2", "b")
-    nat1: str = "restricted"  # "restricted" | "random" | "full_cone"
+    nat1: str = "restricted"  # "restricted" | "bare" (no drop rule) | "random" | "full_cone"
     nat2: str = "restricted"
     configs: dict[str, str] = field(default_factory=dict)
 
@@ -77,12 +77,13 @@ class NatTopology(Topology):
             f"{forward}"
             f'  chain post {{ type nat hook postrouting priority 100; oifname "{wan_if}" {masq}; }}\n'
             "}\n"
+            + ("" if kind == "bare" else
             "table inet filter {\n"
             f'  chain input {{ type filter hook input priority 0; iifname "{wan_if}" ct state new drop; }}\n'
             f'  chain forward {{ type filter hook forward priority 0; iifname "{wan_if}" ct state new '
             f'{"udp dport " + str(B_PORT) + " accept; " if kind == "full_cone" else ""}'
             f'iifname "{wan_if}" ct state new drop; }}\n'
-            "}\n"
+            "}\n")
         )
         r = self.nsinput(role, rules, "nft", "-f", "-")
         if r.returncode != 0:
@@ -100,12 +101,13 @@ class NatTopology(Topology):
 
     # ------------------------------------------------------------------ nodes
 
-    def node_config(self, role: str, mesh: str, extra: str = "") -> None:
+    def node_config(self, role: str, mesh: str, extra: str = "", limits: str = "") -> None:
         state = self.workdir / f"state-{role}"
         (self.workdir / f"{role}.toml").write_text(
             f'[node]\nname = "{role}"\nnetwork = "nattest"\nsecret = "{NAT_SECRET}"\n'
             f'state_dir = "{state}"\n{extra}\n[mesh]\n{mesh}\n'
             f'[socks5]\nlisten = "127.0.0.1:1080"\n[admin]\nlisten = "127.0.0.1:15888"\n'
+            f'[limits]\n{limits}\n'
         )
 
     def admin(self, role: str, path: str) -> object:
