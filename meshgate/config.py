@@ -40,6 +40,7 @@ DNS_LISTENER_KINDS: dict[str, DnsListenerKind] = {
     "dot": DnsListenerKind(853, "tcp"),
     "doh": DnsListenerKind(443, "tcp"),
     "doq": DnsListenerKind(853, "udp"),
+    "doh3": DnsListenerKind(443, "udp"),  # DoH over HTTP/3: the doh listener's port number, over UDP
     "odoh": DnsListenerKind(443, "tcp"),
 }
 DNS_PROTOCOLS = tuple(DNS_LISTENER_KINDS)
@@ -188,6 +189,8 @@ class DnsListenerConfig:
     allow_ip_targets: bool = False
     # per-client query rate limit (limits.dns_client_*): None = on when bound off loopback
     rate_limit: bool | None = None
+    # not a file key: the Alt-Svc the node's doh listener sends (a doh3 beside it), for its workers
+    alt_svc: str = ""
 
 
 @dataclass(frozen=True)

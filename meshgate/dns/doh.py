@@ -74,6 +74,12 @@ class DohApp:
         self.loop = asyncio.get_running_loop()
         # The 200 answer's header list per max-age: shared, never mutated (h2server only reads it).
         self._ok_headers: dict[int, list[tuple[str, str]]] = {}
+        self._alt_svc: list[tuple[str, str]] = []
+
+    def advertise(self, alt_svc: str) -> None:
+        """Send `Alt-Svc: alt_svc` with every answer (a doh3 listener beside this one); "" stops."""
+        self._alt_svc = [("alt-svc", alt_svc)] if alt_svc else []
+        self._ok_headers.clear()
 
     def __call__(self, method: str, path: str, headers: list[tuple[str, str]],
                  body: bytes) -> Response | Awaitable[Response]:
@@ -121,7 +127,7 @@ class DohApp:
             if len(self._ok_headers) >= _OK_HEADERS_MAX:
                 self._ok_headers.clear()
             headers = self._ok_headers[max_age] = [("content-type", CONTENT_TYPE),
-                                                   ("cache-control", f"max-age={max_age}")]
+                                                   ("cache-control", f"max-age={max_age}"), *self._alt_svc]
         return (200, headers, buf)
 
 
@@ -133,13 +139,30 @@ class DohListener(Listener):
     has_path = True
     shared = True
     server: asyncio.Server | None = None
+    app: DohApp | None = None
+
     async def _serve(self) -> HostPort:
         ssl = self.ssl_context(ALPN)
-        app = DohApp(self.pipeline, self.stats, self.cfg.path, self.limiter)
+        app = self.app = DohApp(self.pipeline, self.stats, self.cfg.path, self.limiter)
+        app.advertise(self.cfg.alt_svc)  # a worker process: what the node's listener advertises
         hp = self.cfg.listen
         self.server, self.conns = await start_https(app, self.stats, self.limits, hp.host, hp.port, ssl,
                                                  reuse_port=self.reuse_port)
         return bound_address(self.server.sockets[0].getsockname())
+
+    def linked(self, listeners: list[Listener]) -> None:
+        """Advertise a doh3 listener on the same host (or a wildcard) and path: Alt-Svc names a
+        port on the same host, so a client that reached us here finds HTTP/3 there."""
+        if self.app is None:
+            return
+        me = self.cfg.listen.host
+        for lst in listeners:
+            c = lst.cfg
+            if c.protocol == "doh3" and c.path == self.cfg.path and (
+                    c.listen.host == me or c.listen.host in ("0.0.0.0", "::")):
+                self.alt_svc = f'h3=":{lst.port}"; ma=86400'
+                self.app.advertise(self.alt_svc)
+                return
 
     async def stop(self) -> None:
         await self._close_server(self.server)

@@ -117,6 +117,23 @@ class TicketStore:
         return self.tickets.pop(label, None)  # single use (anti-replay)
 
 
+def cap_bidi_streams(quic: Any, cap: int) -> None:
+    """Advertise `cap` bidirectional streams per connection instead of aioquic's fixed 128 (DoQ
+    and DoH over HTTP/3 both call this on a new connection).
+
+    aioquic (1.7) has no public setting for it, so this sets its private Limit, and must set
+    `sent` with `value`: the initial transport parameter is `value`, each stream that ends raises
+    `value` by one, and a MAX_STREAMS frame goes out only once `value` has moved far enough past
+    `sent`. With `sent` left at 128 a cap of 64 was never raised (the connection stopped at its
+    64th stream, issue 16). As both, the cap bounds the streams open at once, not those over the
+    connection's life (RFC 9000 4.6); the callers also enforce it. Pinned by
+    tests/integration/test_doq_sessions.py.
+    """
+    limit = getattr(quic, "_local_max_streams_bidi", None)
+    if isinstance(limit, Limit):
+        limit.value = limit.sent = min(limit.value, cap)
+
+
 class DoqProtocol(QuicConnectionProtocol):
     frontend: Frontend
     stats: ListenerStats
@@ -131,17 +148,7 @@ class DoqProtocol(QuicConnectionProtocol):
         self.handshake_done = False
         self.closed = False
         self.deadline_timer: asyncio.TimerHandle | None = None
-        # Advertise our per-connection stream cap instead of aioquic's fixed 128. aioquic
-        # (1.7) has no public setting for it, so this sets its private Limit, and must set
-        # `sent` with `value`: the initial transport parameter is `value`, each stream that
-        # ends raises `value` by one, and a MAX_STREAMS frame goes out only once `value` has
-        # moved far enough past `sent`. With `sent` left at 128 a cap of 64 was never raised
-        # (the connection stopped at its 64th stream, issue 16). As both, the cap bounds the
-        # streams open at once, not those over the connection's life (RFC 9000 4.6); it is
-        # also enforced below. Pinned by tests/integration/test_doq_sessions.py.
-        limit = getattr(self._quic, "_local_max_streams_bidi", None)
-        if isinstance(limit, Limit):
-            limit.value = limit.sent = min(limit.value, self.limits.doq_max_streams)
+        cap_bidi_streams(self._quic, self.limits.doq_max_streams)
         # Refused with a DoQ code once the first packet is processed (a close before that would
         # not reach the client, and the peer's address is known only then).
         self.over_cap = not admit(self.conns, self, self.limits.dns_tcp_max_clients)

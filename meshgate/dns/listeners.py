@@ -4,8 +4,8 @@
 it): each entry names a `Listener` subclass as "module:Class", imported only when a listener
 of that kind is configured (a node without DoQ never loads aioquic's server side).
 
-Adding a kind (say DoH3): a module with a `Listener` subclass (scheme, `_serve()`, `_close()`),
-and a line here. The config reads [[dns.listener]] without importing this package (config is a
+Adding a kind (doh3.py was the last one): a module with a `Listener` subclass (scheme, `_serve()`,
+`_close()`), and a line here. The config reads [[dns.listener]] without importing this package (config is a
 ground module): its `DNS_LISTENER_KINDS` names each kind with what validation needs (default
 port, UDP or TCP socket), and tests/unit/test_dns_registry.py checks both name the same kinds.
 
@@ -38,6 +38,7 @@ DNS_LISTENERS: dict[str, str] = {
     "dot": "meshgate.dns.plain:DotListener",
     "doh": "meshgate.dns.doh:DohListener",
     "doq": "meshgate.dns.doq:DoqListener",
+    "doh3": "meshgate.dns.doh3:Doh3Listener",
     "odoh": "meshgate.dns.odoh_server:OdohListener",
 }
 
@@ -76,6 +77,7 @@ class Listener:
         # Per-client query rate (dns/ratelimit.py): `rate_limit`, on by default off loopback. One
         # table per listener and per process (with dns.workers, each worker counts its own share).
         self.limiter = ratelimit.for_listener(cfg, config.limits)
+        self.alt_svc = ""  # the Alt-Svc this listener sends (DoH: a doh3 listener beside it)
         self._tls: tuple[str, str] | None = None
 
     # ------------------------------------------------------------------ names
@@ -135,6 +137,10 @@ class Listener:
     async def _serve(self) -> HostPort:
         raise NotImplementedError
 
+    def linked(self, listeners: list[Listener]) -> None:
+        """Every listener of the service has started (bound addresses known): a kind that
+        refers to another (DoH advertising DoH3 in Alt-Svc) looks it up here."""
+
     async def stop(self) -> None:
         raise NotImplementedError
 
@@ -157,7 +163,7 @@ class Listener:
         lst = self.cfg
         if self._tls is not None:
             lst = dataclasses.replace(lst, cert=self._tls[0], key=self._tls[1])
-        return dataclasses.replace(lst, listen=self.bound or lst.listen)
+        return dataclasses.replace(lst, listen=self.bound or lst.listen, alt_svc=self.alt_svc)
 
     def status(self) -> dict[str, Any]:
         notes = [self.url]

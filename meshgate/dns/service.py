@@ -60,6 +60,8 @@ class DnsService:
                 self.listeners.append(listener)
                 self.urls.append(listener.url)
                 self.stats[listener.url] = listener.stats
+            for listener in self.listeners:
+                listener.linked(self.listeners)
             shared = [lst.worker_config() for lst in self.listeners if lst.shared]
             if shared and not self.worker and self.config.dns.workers > 1:
                 await self._start_workers(shared)

@@ -39,7 +39,7 @@ def test_every_upstream_scheme_loads(scheme: str) -> None:
 
 def test_unknown_kinds_are_refused_in_config_and_in_dns() -> None:
     with pytest.raises(ConfigError, match="protocol"):
-        from_dict({"dns": {"listener": [{"protocol": "doh3"}]}})
+        from_dict({"dns": {"listener": [{"protocol": "dnscrypt"}]}})
     with pytest.raises(ConfigError, match="expected udp://"):
         from_dict({"dns": {"upstreams": ["h3://127.0.0.1"]}})
     with pytest.raises(ValueError, match="unsupported upstream scheme"):
