@@ -461,10 +461,47 @@ def _reply_rest(head: bytes) -> int:
     raise RuntimeError(f"bad SOCKS5 reply ATYP {atyp}")
 
 
-def socks_connect_blocking(proxy: tuple[str, int] | None, target: tuple[str, int]) -> socket.socket:
+def http_connect_request(host: str, port: int) -> bytes:
+    """HTTP/1.1 CONNECT for host:port (what curl -p sends, without User-Agent)."""
+    return f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+
+
+def http_reply_code(head: bytes) -> int:
+    """The status of a proxy's CONNECT answer head (`HTTP/1.x 200 ...`)."""
+    parts = head.split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+        raise RuntimeError(f"bad HTTP proxy reply {head[:40]!r}")
+    return int(parts[1])
+
+
+def _recv_head(s: socket.socket) -> bytes:
+    """A CONNECT answer head. Read in blocks: the targets never speak first, so nothing past the
+    head's blank line can arrive before the client's first bytes (checked)."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        part = s.recv(4096)
+        if not part or len(head) > 8192:
+            raise RuntimeError("connection closed early or head too long")
+        head += part
+    if not head.endswith(b"\r\n\r\n"):
+        raise RuntimeError("bytes after the CONNECT answer head")
+    return head
+
+
+def socks_connect_blocking(
+    proxy: tuple[str, int] | None, target: tuple[str, int], kind: str = "socks5"
+) -> socket.socket:
+    """A connection to `target` through `proxy` (`kind` socks5, or http: HTTP CONNECT)."""
     # A bounded wait on every call: a stuck peer fails the round instead of hanging the run.
     if proxy is None:
         s = socket.create_connection(target, timeout=60)
+    elif kind == "http":
+        s = socket.create_connection(proxy, timeout=60)
+        s.sendall(http_connect_request(*target))
+        code = http_reply_code(_recv_head(s))
+        if code != 200:
+            s.close()
+            raise RuntimeError(f"proxy answered {code}")
     else:
         s = socket.create_connection(proxy, timeout=60)
         s.sendall(b"\x05\x01\x00")
@@ -480,9 +517,11 @@ def socks_connect_blocking(proxy: tuple[str, int] | None, target: tuple[str, int
     return s
 
 
-def bulk_down(proxy: tuple[str, int] | None, target: tuple[str, int], size: int) -> float:
+def bulk_down(
+    proxy: tuple[str, int] | None, target: tuple[str, int], size: int, kind: str = "socks5"
+) -> float:
     """Seconds to download `size` bytes from the bulk target."""
-    s = socks_connect_blocking(proxy, target)
+    s = socks_connect_blocking(proxy, target, kind)
     with s:
         buf = bytearray(CHUNK)
         t0 = time.perf_counter()
@@ -498,9 +537,11 @@ def bulk_down(proxy: tuple[str, int] | None, target: tuple[str, int], size: int)
     return elapsed
 
 
-def bulk_up(proxy: tuple[str, int] | None, target: tuple[str, int], size: int) -> float:
+def bulk_up(
+    proxy: tuple[str, int] | None, target: tuple[str, int], size: int, kind: str = "socks5"
+) -> float:
     """Seconds to upload `size` bytes to the bulk target (until it acknowledges the last byte)."""
-    s = socks_connect_blocking(proxy, target)
+    s = socks_connect_blocking(proxy, target, kind)
     with s:
         block = memoryview(bytes(CHUNK))
         t0 = time.perf_counter()
@@ -554,15 +595,34 @@ async def _socks_handshake_async(
     return head[1]
 
 
+async def _http_handshake_async(loop: asyncio.AbstractEventLoop, s: socket.socket, request: bytes) -> int:
+    """CONNECT on a connected socket; the status."""
+    await loop.sock_sendall(s, request)
+    head = b""
+    while b"\r\n\r\n" not in head:  # as _recv_head
+        part = await loop.sock_recv(s, 4096)
+        if not part or len(head) > 8192:
+            raise ConnectionError("closed early or head too long")
+        head += part
+    if not head.endswith(b"\r\n\r\n"):
+        raise ConnectionError("bytes after the CONNECT answer head")
+    return http_reply_code(head)
+
+
 async def _rr_once(
     loop: asyncio.AbstractEventLoop,
     s: socket.socket,
     proxy: tuple[str, int] | None,
     target: tuple[str, int],
     request: bytes,
+    kind: str = "socks5",
 ) -> None:
     await loop.sock_connect(s, proxy or target)
-    if proxy is not None:
+    if proxy is not None and kind == "http":
+        code = await _http_handshake_async(loop, s, request)
+        if code != 200:
+            raise ConnectionError(f"status {code}")
+    elif proxy is not None:
         code = await _socks_handshake_async(loop, s, request)
         if code != 0:
             raise ConnectionError(f"reply {code}")
@@ -578,16 +638,17 @@ async def _rr_once(
 
 
 async def _rr_worker(
-    proxy: tuple[str, int] | None, target: tuple[str, int], deadline: float, counts: list[int], limit: int
+    proxy: tuple[str, int] | None, target: tuple[str, int], deadline: float, counts: list[int], limit: int,
+    kind: str = "socks5",
 ) -> None:
     loop = asyncio.get_running_loop()
-    request = connect_request(*target)
+    request = http_connect_request(*target) if kind == "http" else connect_request(*target)
     while loop.time() < deadline and counts[0] + counts[1] < limit:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setblocking(False)
         try:
             async with asyncio.timeout(5):  # a stuck connection counts as an error, not a hang
-                await _rr_once(loop, s, proxy, target, request)
+                await _rr_once(loop, s, proxy, target, request, kind)
             counts[0] += 1
         except (OSError, TimeoutError):
             counts[1] += 1
@@ -602,10 +663,11 @@ def conn_rate(
     seconds: float,
     limit: int = 1 << 62,
     detail: bool = False,
+    kind: str = "socks5",
 ) -> Metrics:
-    """`clients` concurrent loops of CONNECT + one 64-byte request and response, for `seconds`
-    or until `limit` connections were tried; completed connections (and errors) per second,
-    with `detail` also the counts and the elapsed time."""
+    """`clients` concurrent loops of CONNECT (SOCKS5, or `kind` http: HTTP CONNECT) + one 64-byte
+    request and response, for `seconds` or until `limit` connections were tried; completed
+    connections (and errors) per second, with `detail` also the counts and the elapsed time."""
     import uvloop
 
     async def main() -> Metrics:
@@ -613,7 +675,7 @@ def conn_rate(
         counts = [0, 0]
         t0 = loop.time()
         end = t0 + seconds
-        await asyncio.gather(*(_rr_worker(proxy, target, end, counts, limit) for _ in range(clients)))
+        await asyncio.gather(*(_rr_worker(proxy, target, end, counts, limit, kind) for _ in range(clients)))
         elapsed = max(loop.time() - t0, 1e-6)  # a fast refusal can take under the clock's tick
         out = {"conn/s": counts[0] / elapsed, "errors/s": counts[1] / elapsed}
         if detail:

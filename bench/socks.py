@@ -1,7 +1,9 @@
-"""SOCKS5 portal benchmark: meshgate (uvloop) vs direct loopback, microsocks, dante, pproxy+uvloop.
+"""SOCKS5 and HTTP CONNECT portal benchmark: meshgate (uvloop) vs direct loopback, microsocks,
+dante, pproxy+uvloop (SOCKS5) and tinyproxy (HTTP CONNECT); and what a config reload costs.
 
 Every variant is driven by the same client in the same run, in alternating
-order (bench/common.py). Per round and variant:
+order (bench/common.py): one Python client, speaking SOCKS5 or HTTP CONNECT
+(only the handshake differs). Per round and variant:
 
 * bulk: one connection downloads SIZE bytes through the proxy, one uploads
   SIZE bytes (default 1 GiB each way); MB/s each way, and the proxy's CPU
@@ -11,15 +13,31 @@ order (bench/common.py). Per round and variant:
   closes first (dante runs out of local ports otherwise, see
   bench/peers/README.md).
 
+`meshgate http` is the same meshgate process as `meshgate`, through its
+`[http_proxy]` listener. `meshgate +reloads` is that process again, over
+SOCKS5, while another thread makes it reload its config every
+`--reload-every` seconds during both tests (POST /reload, alternating two
+files that differ in `dns.records` and `exit.deny`: each reload applies a
+change, bench/reloads.py); its `reload ms` is the median time of those
+reloads as that thread sees them.
+Before the rounds, `--reloads` reloads of the idle node give the reload time
+alone.
+
+`--pin CPU` runs every proxy on that one CPU (taskset), so a proxy with
+threads or worker processes (tinyproxy, dante, microsocks) gets the same
+core as single-threaded meshgate.
+
 The target servers run in a child process (`--serve`), so the client, the
 proxy and the targets are separate processes, as they would be for real.
 
-    .venv/bin/python bench/socks.py [--size MiB] [--rounds N] [--seconds S] [--json FILE]
+    .venv/bin/python bench/socks.py [--size MiB] [--rounds N] [--seconds S] [--pin CPU]
+                                    [--only a,b] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -45,6 +63,7 @@ from bench.common import (
     report,
     selected,
 )
+from bench.reloads import Reloader, meshgate_conf, reload_once
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -54,13 +73,18 @@ GIB = 1 << 30
 # --------------------------------------------------------------------------- proxies
 
 
+# meshgate's other listeners: its HTTP proxy and admin API (reloads), by the SOCKS5 port
+HTTP_PORT: dict[int, int] = {}
+ADMIN_PORT: dict[int, int] = {}
+PIN: list[str] = []  # ["taskset", "-c", CPU] with --pin
+
+
 def start_meshgate(port: int, workdir: str) -> Peer:
+    """One meshgate process: SOCKS5 on `port`, the HTTP proxy and the admin API beside it."""
+    HTTP_PORT[port], ADMIN_PORT[port] = free_port(), free_port()
     conf = Path(workdir, "meshgate.toml")
-    conf.write_text(
-        f'log_level = "warning"\n[socks5]\nlisten = "127.0.0.1:{port}"\nmax_clients = 4096\n'
-        "[admin]\nenable = false\n"
-    )
-    argv = [sys.executable, "-m", "meshgate", "run", "-c", str(conf), "--loop", "uvloop"]
+    conf.write_text(meshgate_conf(port, HTTP_PORT[port], ADMIN_PORT[port], 0))
+    argv = [*PIN, sys.executable, "-m", "meshgate", "run", "-c", str(conf), "--loop", "uvloop"]
     return Peer("meshgate", argv, port=port, cwd=str(ROOT)).start()
 
 
@@ -75,7 +99,7 @@ def start_meshgate_ref(ref: str) -> Callable[[int, str], Peer]:
             "[admin]\nenable = false\n"
         )
         # cwd first on sys.path (-m): the extracted package shadows the working tree's.
-        argv = [sys.executable, "-m", "meshgate", "run", "-c", str(conf), "--loop", "uvloop"]
+        argv = [*PIN, sys.executable, "-m", "meshgate", "run", "-c", str(conf), "--loop", "uvloop"]
         return Peer(f"meshgate@{ref}", argv, port=port, cwd=str(tree)).start()
 
     return start
@@ -85,7 +109,7 @@ def start_microsocks(port: int, workdir: str) -> Peer:
     exe = shutil.which("microsocks")
     if exe is None:
         raise RuntimeError("microsocks not installed (apt-get install microsocks)")
-    return Peer("microsocks", [exe, "-i", "127.0.0.1", "-p", str(port)], port=port).start()
+    return Peer("microsocks", [*PIN, exe, "-i", "127.0.0.1", "-p", str(port)], port=port).start()
 
 
 def start_dante(port: int, workdir: str) -> Peer:
@@ -96,7 +120,7 @@ def start_dante(port: int, workdir: str) -> Peer:
     conf = Path(workdir, "danted.conf")
     conf.write_text(template.replace("@PORT@", str(port)).replace("@LOG@", str(Path(workdir, "danted.log"))))
     pid_file = str(Path(workdir, "danted.pid"))
-    return Peer("dante", [exe, "-f", str(conf), "-p", pid_file], port=port, pid_file=pid_file).start()
+    return Peer("dante", [*PIN, exe, "-f", str(conf), "-p", pid_file], port=port, pid_file=pid_file).start()
 
 
 _PPROXY_UVLOOP = """
@@ -112,7 +136,30 @@ server.main(["-l", "socks5://127.0.0.1:" + sys.argv[1]])
 
 
 def start_pproxy(port: int, workdir: str) -> Peer:
-    return Peer("pproxy+uvloop", [sys.executable, "-c", _PPROXY_UVLOOP, str(port)], port=port).start()
+    return Peer("pproxy+uvloop", [*PIN, sys.executable, "-c", _PPROXY_UVLOOP, str(port)], port=port).start()
+
+
+_TINYPROXY_CONF = """Port {port}
+Listen 127.0.0.1
+Timeout 600
+MaxClients 4096
+LogLevel Critical
+DisableViaHeader Yes
+Allow 127.0.0.1
+"""
+
+
+def start_tinyproxy(port: int, workdir: str) -> Peer:
+    """tinyproxy (Debian's), HTTP CONNECT to any port (no ConnectPort line), in the foreground."""
+    exe = shutil.which("tinyproxy") or "/usr/bin/tinyproxy"
+    if not os.path.exists(exe):
+        raise RuntimeError("tinyproxy not installed (apt-get install tinyproxy)")
+    conf = Path(workdir, "tinyproxy.conf")
+    text = _TINYPROXY_CONF.format(port=port)
+    if os.geteuid() == 0:  # it drops root to this user; the config is read before that
+        text += "User nobody\nGroup nogroup\n"
+    conf.write_text(text)
+    return Peer("tinyproxy", [*PIN, exe, "-d", "-c", str(conf)], port=port).start()
 
 
 STARTERS: dict[str, Callable[[int, str], Peer]] = {
@@ -120,7 +167,11 @@ STARTERS: dict[str, Callable[[int, str], Peer]] = {
     "microsocks": start_microsocks,
     "dante": start_dante,
     "pproxy+uvloop": start_pproxy,
+    "tinyproxy": start_tinyproxy,
 }
+HTTP_PEERS = frozenset({"tinyproxy"})  # speak HTTP CONNECT, not SOCKS5
+# variants served by the meshgate process (no process of their own)
+MESHGATE_VIEWS = ("meshgate http", "meshgate +reloads")
 
 
 # --------------------------------------------------------------------------- main
@@ -133,7 +184,13 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=5.0, help="duration of each connection-rate run")
     p.add_argument("--clients", type=int, default=50, help="concurrent clients in the rate test")
     p.add_argument("--ab", metavar="REF", help="also run meshgate as of git REF (A/B of a change)")
+    p.add_argument("--pin", metavar="CPU", help="run every proxy on this one CPU (taskset -c CPU)")
+    p.add_argument("--reload-every", type=float, default=0.1,
+                   help="seconds between reloads in meshgate +reloads")
+    p.add_argument("--reloads", type=int, default=30, help="reloads of the idle node timed before the rounds")
     args = p.parse_args()
+    if args.pin is not None:
+        PIN[:] = ["taskset", "-c", str(args.pin)]
 
     size = args.size * MIB
     targets = Targets()
@@ -149,6 +206,7 @@ def main() -> int:
                 k: v for k, v in STARTERS.items() if k != "meshgate"
             }
         names = ["direct", *starters]
+        names[names.index("meshgate") + 1:names.index("meshgate") + 1] = MESHGATE_VIEWS
         for name, start in starters.items():
             if not selected(args, name):
                 continue
@@ -157,20 +215,40 @@ def main() -> int:
             except (RuntimeError, OSError) as e:
                 print(f"skipping {name}: {e}", file=sys.stderr)
 
+        mg = peers.get("meshgate")
+        idle_reloads: list[float] = []
+        if mg is not None:
+            ports = (mg.port, HTTP_PORT[mg.port], ADMIN_PORT[mg.port])
+            conf = Path(workdir, "meshgate.toml")
+            idle_reloads = [reload_once(conf, ports, (i + 1) % 2) for i in range(args.reloads)]
+            if len(idle_reloads) % 2:
+                reload_once(conf, ports, 0)  # back to the version it started with
+
         def variant(name: str) -> Callable[[], Metrics]:
             def run() -> Metrics:
-                peer = peers.get(name)
+                peer = mg if name in MESHGATE_VIEWS else peers.get(name)
+                kind = "http" if name in HTTP_PEERS or name == "meshgate http" else "socks5"
                 proxy = (peer.host, peer.port) if peer else None
-                cpu0 = peer.cpu_seconds() if peer else 0.0
-                down = bulk_down(proxy, bulk_target, size)
-                up = bulk_up(proxy, bulk_target, size)
-                cpu = (peer.cpu_seconds() - cpu0) if peer else 0.0
-                out: Metrics = {
-                    "down MB/s": size / down / 1e6,
-                    "up MB/s": size / up / 1e6,
-                }
-                cpu1 = peer.cpu_seconds() if peer else 0.0
-                out.update(conn_rate(proxy, rr_target, args.clients, args.seconds))
+                if name == "meshgate http" and peer is not None:
+                    proxy = (peer.host, HTTP_PORT[peer.port])
+                reloader = None
+                if name == "meshgate +reloads" and peer is not None:
+                    ports = (peer.port, HTTP_PORT[peer.port], ADMIN_PORT[peer.port])
+                    reloader = Reloader(Path(workdir, "meshgate.toml"), ports, args.reload_every)
+                with reloader or contextlib.nullcontext():  # reloading while both tests run
+                    cpu0 = peer.cpu_seconds() if peer else 0.0
+                    down = bulk_down(proxy, bulk_target, size, kind)
+                    up = bulk_up(proxy, bulk_target, size, kind)
+                    cpu = (peer.cpu_seconds() - cpu0) if peer else 0.0
+                    out: Metrics = {
+                        "down MB/s": size / down / 1e6,
+                        "up MB/s": size / up / 1e6,
+                    }
+                    cpu1 = peer.cpu_seconds() if peer else 0.0
+                    out.update(conn_rate(proxy, rr_target, args.clients, args.seconds, kind=kind))
+                if reloader is not None:
+                    out["reloads"] = float(len(reloader.times))
+                    out["reload ms"] = reloader.median_ms()
                 if peer:
                     out["cpu s/GiB"] = cpu / (2 * size / GIB)
                     # CPU per connection holds up when other work shares the
@@ -185,12 +263,14 @@ def main() -> int:
         title = f"SOCKS5 portals, {args.size} MiB each way, {args.clients} clients"
         runner = Runner(title, args.rounds, baseline="meshgate" if "meshgate" in peers else None)
         for name in names:
-            if (name == "direct" and selected(args, name)) or name in peers:
+            wanted = name in peers or (name in MESHGATE_VIEWS and mg is not None and selected(args, name))
+            if (name == "direct" and selected(args, name)) or wanted:
                 runner.add(name, variant(name))
         runner.run()
         ratios = ["down MB/s", "up MB/s", "conn/s", "cpu s/GiB", "cpu ms/conn"]
         report([runner], args.json, ratio_metrics=ratios)
         _targets(runner)
+        _http_and_reloads(runner, idle_reloads)
     finally:
         for peer in peers.values():
             peer.stop()
@@ -225,6 +305,24 @@ def _targets(runner: Runner) -> None:
             continue
         ok = r >= bound if higher else r < bound
         lines.append(f"  {label:28} {r:6.2f}  {'met' if ok else 'NOT met'}")
+    print("\n".join(lines))
+
+
+def _http_and_reloads(runner: Runner, idle_reloads: list[float]) -> None:
+    """HTTP CONNECT beside SOCKS5 and tinyproxy, and what reloads cost, as paired ratios."""
+    import statistics
+
+    lines = ["HTTP CONNECT and reloads (median of paired ratios):"]
+    pairs = [("meshgate http", "tinyproxy"), ("meshgate http", "meshgate"), ("meshgate +reloads", "meshgate")]
+    for a, b in pairs:
+        for metric in ("down MB/s", "up MB/s", "conn/s", "cpu s/GiB", "cpu ms/conn"):
+            r = _paired(runner, a, b, metric)
+            if r is not None:
+                lines.append(f"  {a} / {b:12} {metric:12} {r:6.2f}")
+    if idle_reloads:
+        q = sorted(idle_reloads)
+        lines.append(f"  reload of the idle node: median {statistics.median(q):.2f} ms, "
+                     f"p90 {q[int(len(q) * 0.9)]:.2f} ms over {len(q)} (POST /reload, answer included)")
     print("\n".join(lines))
 
 
