@@ -25,7 +25,13 @@ Tables (bench/common.py runner: alternating rounds, medians):
    client-observed) or mean (h2load), the server's CPU microseconds per
    query (from /proc, summed over the server's processes and threads) and its
    peak RSS (VmHWM summed over its processes) for: UDP (dnsperf -m udp, 16
-   sockets), DoH GET and POST (h2load, 8 connections x 8 streams), DoH with
+   sockets), DoH GET and POST (h2load, 8 connections x 8 streams; `h1`: the
+   same GET over HTTP/1.1, h2load --h1, 8 connections x 8 pipelined), DoH over
+   HTTP/3 GET (meshgate's `doh3` listener on the DoH port number over UDP;
+   this h2load has no QUIC, so the client is bench/h3load.py, aioquic's h3 in
+   a process of its own, 4 connections x 16 streams: a Python client, likely
+   the limit of the q/s it reports; the server's CPU per query is the figure
+   to compare; unbound 1.17 and dnsdist 1.7 serve no HTTP/3), DoH with
    dnsperf -m doh; against meshgate (`meshgate`: one process, uvloop;
    `meshgate-wN`: `dns.workers = N`, the node and N-1 worker processes sharing
    the listeners with SO_REUSEPORT; `--workers` picks the counts), unbound and
@@ -58,6 +64,7 @@ import base64
 import contextlib
 import gc
 import inspect
+import json
 import re
 import secrets
 import shutil
@@ -393,8 +400,9 @@ class Server:
     """One server under load; `threads` is how many processes (meshgate) or threads (peers)
     answer its listeners."""
 
-    def __init__(self, name: str, peer: Peer, udp: int, doh: int, threads: int = 1) -> None:
+    def __init__(self, name: str, peer: Peer, udp: int, doh: int, threads: int = 1, h3: int = 0) -> None:
         self.name, self.peer, self.udp, self.doh, self.threads = name, peer, udp, doh, threads
+        self.h3 = h3  # DoH over HTTP/3 on this UDP port (0: none)
 
 
 def _start_unbound(tmp: Path, name: str, threads: int, cert: Path, key: Path) -> Server:
@@ -453,6 +461,11 @@ def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None,
 def _start_meshgate(tmp: Path, name: str, cwd: Path, upstream: str, cert: Path, key: Path,
                     workers: int = 1) -> Server:
     m_udp, m_doh = free_port(), free_port()
+    # DoH over HTTP/3 on the DoH port number over UDP (the working tree only: an --ab REF from
+    # before the doh3 kind would refuse the config).
+    h3 = m_doh if cwd == ROOT else 0
+    doh3 = (f'[[dns.listener]]\nprotocol = "doh3"\nlisten = "127.0.0.1:{m_doh}"\n'
+            f'cert = "{cert}"\nkey = "{key}"')
     tag = name.replace("@", "-").replace("/", "_")
     cfg = tmp / f"{tag}.toml"
     cfg.write_text(f"""
@@ -475,6 +488,7 @@ protocol = "doh"
 listen = "127.0.0.1:{m_doh}"
 cert = "{cert}"
 key = "{key}"
+{doh3 if h3 else ""}
 [limits]
 dns_max_inflight = 100000
 buffer_pool_size = 4096
@@ -482,7 +496,7 @@ buffer_pool_size = 4096
     argv = [sys.executable, "-m", "meshgate", "run", "-c", str(cfg)]
     # `python -m` imports meshgate from the working directory: the checkout or the git REF's tree.
     peer = Peer(name, argv, port=m_doh, cwd=str(cwd)).start()
-    return Server(name, peer, m_udp, m_doh, workers)
+    return Server(name, peer, m_udp, m_doh, workers, h3)
 
 
 def _query_b64(name: str) -> str:
@@ -514,11 +528,12 @@ def dnsperf(server: Server, mode: str, data: Path, seconds: float, extra: list[s
             "cpu_us/q": cpu / max(done, 1) * 1e6, "peak_rss_MiB": server.peer.peak_rss_kib() / 1024}
 
 
-def h2load(server: Server, n: int, post: bool, uris: Path | None = None, body: Path | None = None) -> Metrics:
+def h2load(server: Server, n: int, post: bool, uris: Path | None = None, body: Path | None = None,
+           h1: bool = False) -> Metrics:
     base = f"https://127.0.0.1:{server.doh}/dns-query"
     # 8 connections x 8 streams: SO_REUSEPORT spreads connections, and 4 would land all on one of
     # two processes one run in eight.
-    argv = ["h2load", "-n", str(n), "-c", "8", "-m", "8", "-t", "1"]
+    argv = ["h2load", "-n", str(n), "-c", "8", "-m", "8", "-t", "1", *(["--h1"] if h1 else [])]
     if post:
         assert body is not None
         argv += ["-d", str(body), "-H", "content-type: application/dns-message", base]
@@ -537,6 +552,22 @@ def h2load(server: Server, n: int, post: bool, uris: Path | None = None, body: P
     return {"threads": float(server.threads),
             "qps": float(_grab(r"finished in [0-9.]+\w+, ([0-9.]+) req/s", out)), "lost": float(n - ok),
             "mean_ms": mean_ms, "cpu_us/q": cpu / max(ok, 1) * 1e6,
+            "peak_rss_MiB": server.peer.peak_rss_kib() / 1024}
+
+
+def h3load(server: Server, n: int) -> Metrics:
+    """DoH over HTTP/3 GET of the cache hit, from bench/h3load.py in a process of its own."""
+    argv = [sys.executable, str(ROOT / "bench" / "h3load.py"), str(server.h3), str(n), "--conns", "4",
+            "--streams", "16", "--path", f"/dns-query?dns={_query_b64(HIT_NAME)}"]
+    cpu0 = server.peer.cpu_seconds()
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    cpu = server.peer.cpu_seconds() - cpu0
+    if out.returncode != 0:
+        raise RuntimeError(f"h3load failed: {out.stderr[-600:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    ok = int(got["ok"])
+    return {"threads": float(server.threads), "qps": ok / got["seconds"], "lost": float(n - ok),
+            "mean_ms": float("nan"), "cpu_us/q": cpu / max(ok, 1) * 1e6,
             "peak_rss_MiB": server.peer.peak_rss_kib() / 1024}
 
 
@@ -632,6 +663,13 @@ def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Ru
         add(f"{name} doh GET h2load", lambda s=s: h2load(s, n, post=False))
     for name, s in live.items():
         add(f"{name} doh POST h2load", lambda s=s: h2load(s, n, post=True, body=body))
+    for name, s in live.items():
+        if name.startswith("unbound"):
+            continue  # unbound serves DoH over HTTP/2 only (its https-port speaks no HTTP/1.1)
+        add(f"{name} doh h1 GET h2load", lambda s=s: h2load(s, n, post=False, h1=True))
+    for name, s in live.items():
+        if s.h3:
+            add(f"{name} doh3 GET h3load", lambda s=s: h3load(s, max(n // 4, 1000)))
     for name, s in live.items():
         if name.startswith("dnsdist"):
             # dnsperf 2.10 -m doh loses dnsdist 1.7's answers (dnsdist sends them; the client drops

@@ -90,6 +90,19 @@ class Doh3Protocol(QuicConnectionProtocol):
         self.timer = IdleTimer(self._loop, self.limits.dns_tcp_idle_timeout, self._idle,
                                busy=self.running.__len__)
         self.tasks: set[asyncio.Task[None]] = set()
+        self.transmit_scheduled = False
+
+    def _schedule_transmit(self) -> None:
+        # Answers that finish in one loop tick leave in one transmit (shared packets). Answers
+        # made while aioquic hands us a datagram's events need none: it transmits after them.
+        if not self.transmit_scheduled:
+            self.transmit_scheduled = True
+            self._loop.call_soon(self._transmit_now)
+
+    def _transmit_now(self) -> None:
+        self.transmit_scheduled = False
+        if not self.closed:
+            self.transmit()
 
     @property
     def peer(self) -> Any:
@@ -253,7 +266,7 @@ class Doh3Protocol(QuicConnectionProtocol):
             return
         self._respond(sid, res)
         self.timer.touch()
-        self.transmit()
+        self._schedule_transmit()
 
     def _check_deadlines(self) -> None:
         self.deadline = None
@@ -303,7 +316,6 @@ class Doh3Protocol(QuicConnectionProtocol):
             return
         if isinstance(body, Buffer):
             body.recycle()  # copied out above: free
-        self.transmit()
 
 
 def _drop(body: Any) -> None:
