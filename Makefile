@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # System tools the end-to-end and system tests drive (installed with apt when root; procps: ps, sysctl;
 # libnss3-tools: certutil, for `meshgate tls trust`; conntrack: the NAT traversal tests flush a router's table).
-APT_TOOLS := curl chromium dnsperf knot-dnsutils bind9-dnsutils iproute2 nftables iperf3 openssl procps libnss3-tools conntrack
+APT_TOOLS := curl chromium firefox-esr dnsperf knot-dnsutils bind9-dnsutils iproute2 nftables iperf3 openssl procps libnss3-tools conntrack
 APT_STAMP := $(VENV)/.apt-done
 PY_STAMP := $(VENV)/.py-done
 
