@@ -155,6 +155,11 @@ class Node:
             egress = connector(cfg, Dialer(resolver=self.resolver).resolve, rules=self.exit_rules,
                                identify=lambda nid: source_in(self._mesh(), nid, time.time()))
             self.mesh = MeshService(cfg, egress=egress)
+            rules = self.exit_rules
+            # traversal punches only for members the [[acl]] rules (current ones: a reload
+            # replaces rules.acl) let reach something here
+            self.mesh.traversal_allowed = lambda nid: rules.acl.admits(
+                source_in(self._mesh(), nid, time.time()))
             self.mesh_dialer = MeshDialer(cfg, self.mesh, egress, self._open_mesh_udp, **dial_kw)
             self.dialer = self.mesh_dialer
             plan.append(self.mesh)

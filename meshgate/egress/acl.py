@@ -78,6 +78,11 @@ class Acl:
                 return Decision(True, i)
         return Decision(False, None)
 
+    def admits(self, src: Source) -> bool:
+        """May `src` reach anything here at all (some rule is for it)? NAT traversal asks: a
+        node does not punch a direct path for a member its rules keep out."""
+        return not self.rules or any(_source_matches(f, src) for rule in self.rules for f in rule.sources)
+
     def _dest_matches(self, t: tuple[str, IPNetwork | None, tuple[tuple[int, int], ...]],
                       dest: IPAddress | None, port: int) -> bool:
         kind, net, ports = t

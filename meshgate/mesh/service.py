@@ -220,6 +220,8 @@ class MeshService:
         self.stats: collections.Counter[str] = collections.Counter()  # per-instance, for tests and status
         self.traversal: TraversalAgent | None = None
         self.traversal_off = ""  # why there is no traversal agent (meshgate status)
+        # may traversal punch a direct path with this node? The node sets it from [[acl]]
+        self.traversal_allowed: Callable[[int], bool] = lambda _nid: True
         # streams that went through a relay stay on it when a direct link to their far end
         # comes (their frames there are still on the way; the new link would let later bytes
         # overtake them): far node -> (sid, opened here) -> the link they went out on
@@ -929,7 +931,20 @@ class MeshService:
             p = paths.get(dst)
         if p is None or p.hops == 0:
             return None
-        return self._best_link(p.next_hop)
+        link = self._best_link(p.next_hop)
+        if link is None and self._originate_timer is not None:
+            # the next hop's last link just went (a direct link closed, a neighbour lost) and
+            # the own record still names it: re-originate and rebuild now, so this frame takes
+            # the route there is (through a relay) instead of failing for ORIGINATE_DELAY
+            self._originate_timer.cancel()
+            self._originate()
+            self._build(self.loop.time())
+            paths = self.table.lat_paths if flags & FLAG_LATENCY else self.table.hop_paths
+            p = paths.get(dst)
+            if p is None or p.hops == 0:
+                return None
+            link = self._best_link(p.next_hop)
+        return link
 
     def send(
         self, ftype: int, flags: int, dst: int, head: bytes, data: bytes | bytearray | memoryview = b""
@@ -988,10 +1003,6 @@ class MeshService:
 
     def may_punch(self, nid: int) -> bool:
         return self.traversal_allowed(nid)
-
-    def traversal_allowed(self, nid: int) -> bool:
-        """Replaced by the node with its access rules' answer (may this node talk to `nid`?)."""
-        return True
 
     def make_udp_link(self, url: str, initiator: bool, sock: Any, addr: Any) -> link_udp.UdpLink:
         from meshgate.mesh import link_udp

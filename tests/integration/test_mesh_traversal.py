@@ -21,11 +21,11 @@ from tests.helpers import async_wait_until
 from tests.mesh_testing import Collector, converged, node_config, start_node, stop_all, write_all
 
 
-async def _line(traversal_a: bool = True, traversal_c: bool = True) -> list[MeshService]:
+async def _line(traversal_a: bool = True, traversal_c: bool = True, **mesh: object) -> list[MeshService]:
     b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"], traversal=True))
     url = b.listen_addrs[0]
-    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], traversal=traversal_a))
-    c = await start_node(node_config("c", "10.9.0.3/24", peers=[url], traversal=traversal_c))
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], traversal=traversal_a, **mesh))
+    c = await start_node(node_config("c", "10.9.0.3/24", peers=[url], traversal=traversal_c, **mesh))
     await async_wait_until(lambda: converged([a, b, c]), 15, "a - b - c over udp://")
     return [a, b, c]
 
@@ -192,3 +192,57 @@ async def test_forged_probes_and_calls_are_dropped_and_counted() -> None:
         sock.close()
     finally:
         await stop_all(nodes)
+
+
+async def test_an_idle_direct_link_closes_and_the_relay_carries_on() -> None:
+    nodes = await _line(traversal_idle=1.5)
+    a, _b, c = nodes
+    srv, port = await _sha_server()
+    try:
+        data = os.urandom(1 << 20)
+        assert await _sha(a, c, port, data) == hashlib.sha256(data).digest()
+        await async_wait_until(lambda: _direct(a, c), 10, "a direct link a - c")
+        await async_wait_until(lambda: not _direct(a, c), 10, "the idle direct link closed")
+        assert a.traversal is not None and c.traversal is not None
+        assert a.traversal.stats.get("closed_idle", 0) + c.traversal.stats.get("closed_idle", 0) >= 1
+        # traffic still flows (through b), and asks for a direct link again
+        assert await _sha(a, c, port, data) == hashlib.sha256(data).digest()
+        await async_wait_until(lambda: _direct(a, c), 15, "direct again once there is traffic")
+    finally:
+        srv.close()
+        await stop_all(nodes)
+
+
+async def test_no_punching_for_a_node_the_access_rules_keep_out() -> None:
+    from meshgate.config import from_dict
+    from meshgate.egress.acl import Acl, Source
+
+    nodes = await _line()
+    a, _b, c = nodes
+    srv, port = await _sha_server()
+    try:
+        rules = from_dict({"acl": [{"from": ["node:b"], "to": ["self:22"]}]}).acl
+        acl = Acl(rules)
+        assert acl.admits(Source(2, "b")) and not acl.admits(Source(1, "a"))
+        # c's rules let only b in: a's call is dropped, no probe goes to a, no link
+        c.traversal_allowed = lambda nid: acl.admits(
+            Source(nid, c.table.records[nid].name if nid in c.table.records else ""))
+        data = os.urandom(256 << 10)
+        for _ in range(3):
+            assert await _sha(a, c, port, data) == hashlib.sha256(data).digest()
+        assert c.traversal is not None and a.traversal is not None
+        await async_wait_until(lambda: c.traversal is not None
+                               and c.traversal.stats.get("dropped_acl", 0) >= 1, 5, "a's call refused by c")
+        assert c.traversal.stats.get("probes_out", 0) == 0 and not _direct(a, c)
+    finally:
+        srv.close()
+        await stop_all(nodes)
+
+
+async def test_status_says_why_traversal_is_off_without_udp_links() -> None:
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["tcp://127.0.0.1:0"], traversal=True))
+    try:
+        assert b.traversal is None
+        assert b.traversal_text() == "off: no udp:// link in mesh.listen or mesh.peers"
+    finally:
+        await stop_all([b])

@@ -65,6 +65,13 @@ def _routes(topo: NatTopology, role: str) -> list[object]:
     return out if isinstance(out, list) else []
 
 
+def _hops(topo: NatTopology, src: str, dst: str) -> int:
+    for r in _routes(topo, src):
+        if isinstance(r, dict) and r.get("name") == dst:
+            return int(r["hops"])
+    return 0
+
+
 def _send(topo: NatTopology, src: str, dst_ip: str, mib: int) -> dict[str, object]:
     r = topo.nsexec(src, sys.executable, "-m", "tests.system.nat_tools", "send", dst_ip, "9000", str(mib),
                     timeout=300)
@@ -101,6 +108,9 @@ def test_port_restricted_nats_punch_and_traffic_leaves_the_relay(nat_topo: NatTo
     assert link is not None and str(link["path"]) == "direct (traversal, reflexive)", link
     assert str(link["url"]).startswith("udp://192.0.2.2:"), link  # B's NAT's public address
     print(f"direct link {took:.2f}s after the first relayed stream")
+    # a stream that starts before the routes take the link stays on the relay (pinned: moving
+    # it would reorder its bytes), so the big one waits for the one-hop route
+    topo.wait(lambda: _hops(topo, "a", "b") == 1, 10, "a's route to b over the direct link")
     before = _relay_bytes(topo)
     out = _send(topo, "a", "10.144.0.3", 100)
     assert out["ok"] and out["match"], (out, topo.log("a"), topo.log("b"))
@@ -108,6 +118,8 @@ def test_port_restricted_nats_punch_and_traffic_leaves_the_relay(nat_topo: NatTo
     assert through_r < 0.01 * 100 * (1 << 20), f"{through_r} bytes of 100 MiB went through R"
     counters = topo.traversal("a")
     assert counters.get("succeeded", 0) >= 1, counters
+    for x, y in (("a", "b"), ("b", "a")):  # one direct link, not one dialed from each side
+        assert [p["name"] for p in topo.peers(x)].count(y) == 1, topo.peers(x)
 
     # N1 forgets every mapping mid-transfer: the transfer survives (sha256), the pair is direct again
     import threading
