@@ -203,13 +203,17 @@ class DnsRouteConfig:
 
 @dataclass(frozen=True)
 class DnsBlocklistConfig:
-    """[dns.blocklist]: files of names answered with `answer` instead of being resolved (allow
-    files win); re-read every `refresh` seconds when their mtime or size changed."""
+    """[dns.blocklist]: files or http(s) URLs of names answered with `answer` instead of being
+    resolved (allow lists win); files re-read every `refresh` seconds when their mtime or size
+    changed, URLs downloaded again then (ETag/If-Modified-Since)."""
 
     lists: tuple[str, ...] = ()
     allow: tuple[str, ...] = ()
     answer: str = "nxdomain"  # nxdomain, zero (A 0.0.0.0 / AAAA ::, NODATA otherwise), refused
     refresh: float = 3600.0
+    # http(s) URLs in lists/allow: one download's deadline and size bound (more: a failure)
+    fetch_timeout: float = 30.0
+    max_bytes: int = 64 << 20
 
     @property
     def enabled(self) -> bool:
@@ -727,12 +731,13 @@ def _route_suffix(value: object) -> str:
 
 def _list_path(value: object) -> str:
     s = _parse_nonempty_str(value).strip()
-    scheme, sep, _ = s.partition("://")
+    scheme, sep, rest = s.partition("://")
     if sep and scheme.lower() in ("http", "https"):
-        raise ValueError(f"{s!r}: downloading lists (http/https URLs) is not supported yet;"
-                         " fetch the list into a file and name its path (docs/OPERATIONS.md, Blocklists)")
+        if not rest.split("/", 1)[0]:
+            raise ValueError(f"{s!r}: a URL needs a host")
+        return s  # downloaded in the background (dns/blocklist_url.py)
     if sep:
-        raise ValueError(f"{s!r}: expected the path of a file")
+        raise ValueError(f"{s!r}: expected the path of a file or an http(s) URL")
     return os.path.expanduser(s)
 
 
@@ -741,12 +746,14 @@ def _read_blocklist(r: _Reader, d: Mapping[str, Any], base: DnsBlocklistConfig) 
     if not isinstance(b, dict):
         r.problem("dns.blocklist", "expected a table [dns.blocklist]")
         return base
-    r.table(b, "dns.blocklist.", ["lists", "allow", "answer", "refresh"])
+    r.table(b, "dns.blocklist.", ["lists", "allow", "answer", "refresh", "fetch_timeout", "max_bytes"])
     cfg = DnsBlocklistConfig(
         lists=r.items(b, "dns.blocklist.", "lists", _list_path) or (),
         allow=r.items(b, "dns.blocklist.", "allow", _list_path) or (),
         answer=r.value(b, "dns.blocklist.", "answer", _choice(*BLOCKLIST_ANSWERS), base.answer),
         refresh=r.value(b, "dns.blocklist.", "refresh", _positive_float, base.refresh),
+        fetch_timeout=r.value(b, "dns.blocklist.", "fetch_timeout", _positive_float, base.fetch_timeout),
+        max_bytes=r.value(b, "dns.blocklist.", "max_bytes", _positive_int, base.max_bytes),
     )
     if cfg.allow and not cfg.lists:
         r.problem("dns.blocklist.lists", "required with dns.blocklist.allow: the lists the allow files"

@@ -5,7 +5,9 @@ Pure: parse list files, build the match table, decide. The pipeline (dns/resolve
 `dns.records` always answer first) and only when a blocklist is configured; it remembers the
 decision with its local answers (about a second), so a cache hit of a name it decided already
 does no blocklist work. `refresh(now)` re-reads a file whose mtime or size changed; a file that
-cannot be read keeps its last good copy.
+cannot be read keeps its last good copy. An http(s) URL in `lists` or `allow` is downloaded in
+the background (dns/blocklist_url.py: ETag/If-Modified-Since, a failure keeps the last good
+copy) and joins the table when it arrives; a reload keeps the copies of URLs it still names.
 
 Formats, detected per line:
 
@@ -28,6 +30,7 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshgate.dns import wire
 from meshgate.logs import RateLimitedLog
@@ -194,16 +197,39 @@ class ListFile:
 class Blocklist:
     """The match table of every configured list: `blocked(name)` for a lowercased wire name."""
 
-    def __init__(self, lists: Iterable[str], allow: Iterable[str], refresh: float, now: float = 0.0) -> None:
-        self.files = [ListFile(p, False) for p in lists] + [ListFile(p, True) for p in allow]
+    def __init__(self, lists: Iterable[str], allow: Iterable[str], refresh: float, now: float = 0.0, *,
+                 fetch_timeout: float = 30.0, max_bytes: int = 64 << 20,
+                 previous: Blocklist | None = None) -> None:
+        sources = [(p, False) for p in lists] + [(p, True) for p in allow]
+        self.files: list[Any] = []  # ListFile, or blocklist_url.UrlList for a URL
+        self.urls: list[Any] = []
+        kept = {(u.path, u.allowlist): u for u in previous.urls} if previous is not None else {}
+        for source, allowlist in sources:
+            if "://" in source:
+                from meshgate.dns.blocklist_url import UrlList  # only with URL lists configured
+
+                url = kept.pop((source, allowlist), None) or UrlList(source, allowlist, timeout=fetch_timeout,
+                                                                     max_bytes=max_bytes)
+                url.timeout, url.max_bytes, url.on_change = fetch_timeout, max_bytes, self._build
+                self.urls.append(url)
+                self.files.append(url)
+            else:
+                self.files.append(ListFile(source, allowlist))
+        for gone in kept.values():
+            gone.cancel()
         self.interval = refresh
         self.block: frozenset[bytes] = frozenset()
         self.allow: frozenset[bytes] = frozenset()
         self.block_labels = self.allow_labels = 0
         for f in self.files:
-            f.load(starting=True)
+            if isinstance(f, ListFile):
+                f.load(starting=True)
         self._build()
         self.next_check = now + refresh
+        # URL lists: downloaded now if an event loop runs, else at the first refresh() (from the
+        # query path, which runs on the loop).
+        if self.urls and not all([u.kick() for u in self.urls]):
+            self.next_check = now
 
     def _build(self) -> None:
         block: set[bytes] = set()
@@ -223,7 +249,10 @@ class Blocklist:
         self.next_check = now + self.interval
         changed = False
         for f in self.files:
-            changed = f.load() or changed
+            if isinstance(f, ListFile):
+                changed = f.load() or changed
+            else:
+                f.kick()  # a download in the background; its result rebuilds the table
         if changed:
             self._build()
         return changed

@@ -222,7 +222,13 @@ class Pipeline:
         """`[dns.blocklist]` (at start, and a reload's): the lists are read now, then swapped in
         with the local memo dropped, so the next question is decided by the new set. None when
         not configured: the pipeline then does no blocklist work at all."""
-        self.blocklist = Blocklist(bl.lists, bl.allow, bl.refresh, time.monotonic()) if bl.enabled else None
+        old = getattr(self, "blocklist", None)
+        self.blocklist = Blocklist(bl.lists, bl.allow, bl.refresh, time.monotonic(),
+                                   fetch_timeout=bl.fetch_timeout, max_bytes=bl.max_bytes,
+                                   previous=old) if bl.enabled else None
+        if self.blocklist is None and old is not None:
+            for url in old.urls:  # no lists any more: stop their downloads
+                url.cancel()
         self.block_answer = bl.answer
         self._memo.clear()
 

@@ -187,15 +187,19 @@ def test_config_defaults_and_values() -> None:
 
 
 def test_config_errors_name_the_key() -> None:
-    got = problems({"dns": {"blocklist": {"lists": ["https://example.com/ads.txt", ""], "answer": "drop",
+    got = problems({"dns": {"blocklist": {"lists": ["ftp://example.com/ads.txt", ""], "answer": "drop",
                                           "refresh": 0, "refesh": 1}}})
-    assert "not supported yet" in got["dns.blocklist.lists[0]"]
+    assert "http(s) URL" in got["dns.blocklist.lists[0]"]
     assert "dns.blocklist.lists[1]" in got
     assert "nxdomain" in got["dns.blocklist.answer"]
     assert "positive" in got["dns.blocklist.refresh"]
     assert "did you mean 'refresh'" in got["dns.blocklist.refesh"]
-    assert "not supported yet" in problems({"dns": {"blocklist": {"lists": ["/x"],
-                                                                  "allow": ["http://h/a"]}}})["dns.blocklist.allow[0]"]
+    assert "needs a host" in problems({"dns": {"blocklist": {"lists": ["/x"],
+                                                             "allow": ["http:///a"]}}})["dns.blocklist.allow[0]"]
+    urls = from_dict({"dns": {"blocklist": {"lists": ["https://example.com/ads.txt"], "allow": ["http://h/a"],
+                                            "fetch_timeout": 5, "max_bytes": 1000}}}).dns.blocklist
+    assert urls.lists == ("https://example.com/ads.txt",) and urls.allow == ("http://h/a",)
+    assert urls.fetch_timeout == 5.0 and urls.max_bytes == 1000
     assert "dns.blocklist.lists" in problems({"dns": {"blocklist": {"allow": ["/a"]}}})
     assert "dns.blocklist" in problems({"dns": {"blocklist": ["/x"]}})
     assert "expected a list" in problems({"dns": {"blocklist": {"lists": "/x"}}})["dns.blocklist.lists"]
