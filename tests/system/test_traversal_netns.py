@@ -180,3 +180,43 @@ def test_bare_masquerade_punches_with_the_low_ttl_first_round(nat_topo: NatTopol
     topo = nat_topo
     assert _send(topo, "a", "10.144.0.3", 1)["match"]
     topo.wait(lambda: topo.direct_to("a", "b") is not None, 15, "a direct link a - b")
+
+
+@pytest.mark.parametrize("nat_topo", [("restricted", "restricted", ("a", "b"))], indirect=True)
+def test_a_dead_direct_path_falls_back_to_the_relay_and_punches_again(nat_topo: NatTopology) -> None:
+    """The direct path stops carrying anything (the wan drops A's and B's public addresses
+    between each other: a NAT that forgot the mapping, a changed address). Traffic goes
+    through R again; a stream that had bytes in flight on the dead link is reset, never
+    completed with a gap; once the path works again the pair is direct again."""
+    import threading
+
+    topo = nat_topo
+    assert _send(topo, "a", "10.144.0.3", 1)["match"]
+    topo.wait(lambda: _hops(topo, "a", "b") == 1 and _hops(topo, "b", "a") == 1, 15, "direct both ways")
+    result: dict[str, object] = {}
+    t = threading.Thread(target=lambda: result.update(_send(topo, "a", "10.144.0.3", 400)))
+    t.start()
+    topo.wait(lambda: any(int(p["bytes_out"]) > 8 << 20  # type: ignore[call-overload]
+                          for p in topo.peers("a") if str(p["path"]).startswith("direct")),
+              30, "the transfer on the direct link")
+    block = ("table ip cut {\n  chain cut_direct { type filter hook forward priority -10;\n"
+             "    ip saddr 203.0.113.2 ip daddr 192.0.2.2 drop\n"
+             "    ip saddr 192.0.2.2 ip daddr 203.0.113.2 drop\n  }\n}\n")
+    r = topo.nsinput("wan", block, "nft", "-f", "-")
+    assert r.returncode == 0, r.stderr
+    t.join(120)
+    assert not t.is_alive()
+    # reset (its bytes on the dead link are gone), never completed with other bytes, nor left
+    # hanging: without the reset it stalled until the client's 60 s timeout
+    assert result.get("match") or "reset" in str(result.get("error")), result
+    # the relay carries new streams within limits.mesh_dead_after (5 s) and a few retries
+    deadline_out: dict[str, object] = {}
+    topo.wait(lambda: bool(deadline_out.update(_send(topo, "a", "10.144.0.3", 1))
+                           or deadline_out.get("match")), 30, "a new stream through R")
+    assert topo.direct_to("a", "b") is None
+    counters = topo.traversal("a")
+    assert counters.get("fallbacks", 0) >= 1, counters
+    # the path works again: traffic asks, the pair punches again (after its back-off)
+    topo.nsexec("wan", "nft", "delete", "table", "ip", "cut", check=True)
+    topo.wait(lambda: bool(_send(topo, "a", "10.144.0.3", 1).get("match"))
+              and topo.direct_to("a", "b") is not None, 60, "direct again once the path works")
