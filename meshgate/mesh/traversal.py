@@ -151,6 +151,7 @@ def open_probe(
     aead: ChaCha20Poly1305, packet: bytes | memoryview, own_id: int, now_ms: int, replays: Replays
 ) -> Probe:
     """Authenticate and parse a probe for this node; TraversalError(reason) otherwise."""
+    probe_sender(packet)  # the shape (length, kind, magic) first
     head = bytes(packet[: HEAD.size])
     sender = HEAD.unpack(head)[2]
     try:
