@@ -186,6 +186,20 @@ def forward_head(head: Head, host: str, port: int, path: str) -> bytes:
     return b"".join(out)
 
 
+def body_length(head: Head) -> int | None:
+    """The bytes of body behind a request head (RFC 9112 section 6.3): its Content-Length, 0
+    without one, None with a Transfer-Encoding (chunked: relayed as it comes). A malformed or
+    conflicting Content-Length is a 400 (a smuggling vector between proxy and origin)."""
+    if head.get(b"transfer-encoding") is not None:
+        return None
+    values = {v.strip() for k, v in head.headers if k == b"content-length"}
+    if not values:
+        return 0
+    if len(values) > 1 or not all(v.isdigit() and len(v) <= 15 for v in values):
+        raise HttpError(400, "bad_header", "malformed Content-Length")
+    return int(values.pop())
+
+
 def basic_credentials(value: bytes | None) -> tuple[bytes, bytes] | None:
     """`Basic base64(user:password)` -> (user, password); None for anything else."""
     if value is None:

@@ -37,6 +37,7 @@ from meshgate.gateway.server import (
     _CLOSED,
     _CONNECTING,
     _HANDSHAKE,
+    _RELAY,
     ClientProtocol,
     Socks5Server,
     UpstreamProtocol,
@@ -182,6 +183,9 @@ class HttpClient(ClientProtocol):
         super().__init__(server)
         self.http = server
         self._buf = bytearray()
+        # a forwarded request: the body bytes still to send its origin (Content-Length, else 0);
+        # None relays what comes (a CONNECT tunnel, a chunked body)
+        self._body_left: int | None = None
 
     def data_received(self, data: bytes) -> None:
         if self.state == _HANDSHAKE:
@@ -189,8 +193,35 @@ class HttpClient(ClientProtocol):
             self._parse()
         elif self.state == _CONNECTING:
             self._buf += data  # a read delivered while dialing: sent behind the request
-        else:
+        elif self.state != _RELAY or (n := self._to_origin(len(data))) == len(data):
             super().data_received(data)
+        elif n:
+            super().data_received(data[:n])
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._body_left is None or self.state != _RELAY:
+            super().buffer_updated(nbytes)
+        elif n := self._to_origin(nbytes):
+            super().buffer_updated(n)  # the first n bytes of the read buffer
+
+    def _to_origin(self, n: int) -> int:
+        """How many of `n` bytes read from a relaying client go on to the origin. Past a forwarded
+        request's end they are a next request on this connection, which is never sent to this
+        request's origin, whatever host it names. A client reuses a connection whose answer did
+        not say close (an origin that ignores our `Connection: close`): the connection closes
+        and the client sends it again on a new one. Bytes pipelined behind a body are dropped."""
+        left = self._body_left
+        if left is None or n <= left:
+            if left is not None:
+                self._body_left = left - n
+            return n
+        self._body_left = 0
+        BAD_REQUESTS.labels("request_after_forward").inc()
+        rlog.debug("http_proxy:next", "http_proxy: %s sent a request behind a forwarded one; not sent",
+                   peer_text(self.peer))
+        if not left:
+            self.close()
+        return left
 
     # ----------------------------------------------------------------- the request
 
@@ -224,6 +255,7 @@ class HttpClient(ClientProtocol):
             return
         host, port, path = http1.absolute_target(head.target)
         if self._authorized(head):
+            self._body_left = http1.body_length(head)
             self._dial("forward", host, port, b"", http1.forward_head(head, host, port, path))
 
     def _authorized(self, head: http1.Head) -> bool:
@@ -304,8 +336,14 @@ class HttpClient(ClientProtocol):
             transport.close()
             return
         REQUESTS.labels(kind, "200").inc()
-        early, self._buf = prefix + bytes(self._buf), bytearray()
-        self.begin_relay(transport, reply, early)
+        early, self._buf = bytes(self._buf), bytearray()
+        if self._body_left is not None and len(early) > self._body_left:
+            # a request pipelined behind the forwarded one: never sent to this origin
+            early = early[: self._body_left]
+            BAD_REQUESTS.labels("request_after_forward").inc()
+        if self._body_left is not None:
+            self._body_left -= len(early)
+        self.begin_relay(transport, reply, prefix + early)
 
 
 class HttpProxyService(PortalService):

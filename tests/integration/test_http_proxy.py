@@ -227,6 +227,8 @@ async def test_pac_file_is_served_from_the_proxy_itself() -> None:
         (b"GET ftp://x/ HTTP/1.1\r\n\r\n", 400, "bad_target"),
         (b"GET http://x/ HTTP/1.1\r\n folded\r\n\r\n", 400, "bad_header"),
         (b"GET http://x/ HTTP/2.0\r\n\r\n", 505, "bad_version"),
+        (b"POST http://x/ HTTP/1.1\r\nContent-Length: 1x\r\n\r\n", 400, "bad_header"),
+        (b"POST http://x/ HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400, "bad_header"),
     ],
 )
 async def test_bad_input_gets_a_status_a_counter_and_a_debug_line(
@@ -243,6 +245,74 @@ async def test_bad_input_gets_a_status_a_counter_and_a_debug_line(
         assert "Traceback" not in caplog.text
         # and it keeps serving
         assert (await curl("-x", url(svc), f"http://127.0.0.1:{origin.port}/"))[0] == "200"
+
+
+class KeptAliveOrigin:
+    """An origin that keeps every connection open and answers each request on it, ignoring the
+    proxy's `Connection: close` (non-compliant, but it exists): records each request line."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+        self.bodies: list[bytes] = []
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> KeptAliveOrigin:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            while True:
+                head = await r.readuntil(b"\r\n\r\n")
+                self.lines.append(head.split(b"\r\n", 1)[0])
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                self.bodies.append(await r.readexactly(length))
+                w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await w.drain()
+        w.close()
+
+
+async def read_response(r: asyncio.StreamReader) -> bytes:
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    return head + await asyncio.wait_for(r.readexactly(length), 10)
+
+
+async def test_a_request_behind_a_forwarded_one_never_reaches_that_origin() -> None:
+    """One request per upstream connection: what a client sends behind a forwarded request (on
+    a connection it reuses, or pipelined) is not relayed to that request's origin, whatever
+    host it names; a reused connection is closed, so the client asks again on a new one."""
+    async with KeptAliveOrigin() as origin, proxy() as svc:
+        addr = svc.address
+        assert addr is not None
+        nxt = Metric("meshgate_http_proxy_bad_requests_total", "request_after_forward")
+        first = b"GET http://127.0.0.1:%d/first HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % origin.port
+        other = b"GET http://other.example/second HTTP/1.1\r\nHost: other.example\r\n\r\n"
+        # reused: the answer did not say close, so a browser sends its next request here
+        r, w = await asyncio.open_connection(addr.host, addr.port)
+        w.write(first)
+        assert (await read_response(r)).endswith(b"\r\n\r\nok")
+        w.write(other)
+        assert await asyncio.wait_for(r.read(), 10) == b""  # closed, nothing more answered
+        w.close()
+        # pipelined behind a body: the body goes to the origin, the request behind it does not
+        r, w = await asyncio.open_connection(addr.host, addr.port)
+        w.write(b"POST http://127.0.0.1:%d/post HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello%s"
+                % (origin.port, other))
+        assert (await read_response(r)).endswith(b"ok")
+        w.close()
+        await async_wait_until(lambda: len(origin.bodies) == 2, 10, "the origin to read the body")
+        assert origin.lines == [b"GET /first HTTP/1.1", b"POST /post HTTP/1.1"]
+        assert origin.bodies == [b"", b"hello"]
+        assert nxt.delta == 2
 
 
 async def test_slowloris_is_cut_at_the_handshake_timeout() -> None:
