@@ -45,6 +45,7 @@ from meshgate.statedir import StateDirLock
 
 if TYPE_CHECKING:
     from meshgate.dns.resolver import Pipeline
+    from meshgate.dns.service import DnsService
     from meshgate.dns.upstream import Dial
     from meshgate.egress.mesh_dialer import MeshDialer
     from meshgate.egress.rules import ExitRules
@@ -116,6 +117,7 @@ class Node:
         self.state_lock = StateDirLock(config.state_path)
         self.mesh: MeshService | None = None
         self.resolver: Pipeline | None = None
+        self.dns_service: DnsService | None = None  # a reload hands its worker processes records
         self.dialer: Dialer | None = None
         # SOCKS UDP over the mesh, both sides: made once the mesh runs (it needs the loop)
         self.udp_hub: UdpHub | None = None
@@ -168,7 +170,8 @@ class Node:
         if self.resolver is not None:
             from meshgate.dns.service import DnsService
 
-            plan.append(DnsService(cfg, self.resolver))
+            self.dns_service = DnsService(cfg, self.resolver)
+            plan.append(self.dns_service)
         if cfg.socks5.enable:
             from meshgate.gateway.service import Socks5Service
 
@@ -265,10 +268,10 @@ class Node:
     def live_keys(self, new: Config | None = None) -> frozenset[str]:
         """reload.LIVE, less what this node cannot change live:
         - with no DNS pipeline: every DNS key (a restart builds one);
-        - with DNS worker processes (dns.workers > 1), which answer from their own copy of the
-          config: dns.records and [dns.blocklist]; dns.upstreams and [[dns.route]] stay live (a
-          worker sends every miss to this process, which routes it) unless `new` makes a question
-          fail over through more upstreams than a worker waits for (upstream_spans);
+        - with DNS worker processes (dns.workers > 1): dns.upstreams and [[dns.route]] when `new`
+          makes a question fail over through more upstreams than a worker waits for
+          (upstream_spans); otherwise they stay live (a worker sends every miss to this process,
+          which routes it), and dns.records and [dns.blocklist] are pushed to the workers;
         - with no mesh running: mesh.peers and the offers and exits; with TUN on, the offers and
           exits too (its kernel routes and forwarding are set up at start)."""
         live = set(LIVE)
@@ -277,7 +280,6 @@ class Node:
         elif self.config.dns.workers > 1:
             from meshgate.dns.resolver import upstream_spans
 
-            live -= {"dns.records", *DNS_BLOCKLIST}
             if new is not None and upstream_spans(new) > upstream_spans(self.config):
                 live -= DNS_UPSTREAMS
         if self.mesh is None:  # no mesh running to keep them: a restart builds one
@@ -340,6 +342,8 @@ class Node:
             self.resolver.set_upstreams(new)
         if changed & DNS_BLOCKLIST and self.resolver is not None:
             self.resolver.set_blocklist(new.dns.blocklist)
+        if changed & {"dns.records", *DNS_BLOCKLIST} and self.dns_service is not None:
+            self.dns_service.set_local(new.dns)  # the worker processes' own pipelines
         if "mesh.peers" in changed and self.mesh is not None:
             self.mesh.set_peers(new.mesh.peers)
         if changed & {"exit.allow", "exit.deny", "exit.allow_private", "serve", "acl", *MESH_OFFERS} \

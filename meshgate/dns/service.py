@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshgate import tls
-from meshgate.config import Config, DnsListenerConfig
+from meshgate.config import Config, DnsConfig, DnsListenerConfig
 from meshgate.dns.listeners import Listener, listener_class
 from meshgate.dns.resolver import Pipeline
 from meshgate.dns.stats import ListenerStats
@@ -77,6 +77,12 @@ class DnsService:
                                self.pipeline.names_changed,
                                functools.partial(answer_for_worker, self.pipeline))
         await self.pool.start()
+
+    def set_local(self, dns: DnsConfig) -> None:
+        """A reload's `dns.records` and `[dns.blocklist]` (the node set them in `pipeline`):
+        the worker processes swap them in too."""
+        if self.pool is not None:
+            self.pool.push_local(dns)
 
     async def stop(self) -> None:
         if self.pool is not None:

@@ -127,6 +127,10 @@ async def _serve(sock: socket.socket, config: Config, index: int) -> int:
             elif got[0] == b"N":
                 pushed[0] = decode_names(got[1])
                 pipeline.names_changed()
+            elif got[0] == b"L":  # a reload's dns.records and [dns.blocklist] (trusted: our parent)
+                records, blocklist = pickle.loads(got[1])
+                pipeline.set_records(records)
+                pipeline.set_blocklist(blocklist)
         stop.set()
 
     async def report() -> None:

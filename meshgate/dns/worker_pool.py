@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import meshgate
-from meshgate.config import Config, DnsListenerConfig, MeshConfig, Socks5Config
+from meshgate.config import Config, DnsConfig, DnsListenerConfig, MeshConfig, Socks5Config
 from meshgate.dns import wire
 from meshgate.dns.resolver import Names, NameTable, Pipeline
 from meshgate.errors import StartupError
@@ -328,6 +328,16 @@ class WorkerPool:
         for w in self.workers:
             if w.writer is not None and not w.writer.is_closing():
                 w.writer.write(frame(b"N", payload))
+
+    def push_local(self, dns: DnsConfig) -> None:
+        """A reload's `dns.records` and `[dns.blocklist]`: every worker swaps them into its
+        pipeline (each reads the lists itself) and a worker started later gets them too."""
+        local = dataclasses.replace(self.config.dns, records=dns.records, blocklist=dns.blocklist)
+        self.config = dataclasses.replace(self.config, dns=local)
+        payload = pickle.dumps((dns.records, dns.blocklist))
+        for w in self.workers:
+            if w.writer is not None and not w.writer.is_closing():
+                w.writer.write(frame(b"L", payload))
 
     async def stop(self) -> None:
         self.stopping = True

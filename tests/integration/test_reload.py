@@ -519,11 +519,14 @@ async def test_offers_exits_dns_and_limits_change_during_a_mesh_transfer(tmp_pat
                 await a.stop()
 
 
-async def test_what_cannot_change_live_here_is_refused_whole(tmp_path: Path) -> None:
-    """A node in certificate mode refuses offers its certificate does not grant, and one with DNS
-    worker processes refuses [dns.blocklist] and upstreams a worker would time out before (the
-    upstream_spans it started with): nothing changes, the key or the grant is named."""
+async def test_certificate_grants_and_dns_worker_processes(tmp_path: Path) -> None:
+    """A node in certificate mode refuses offers its certificate does not grant (the grant named,
+    nothing changed) and re-originates one it grants. With DNS worker processes, dns.records
+    and [dns.blocklist] reach the workers (questions from fresh sockets, spread over both
+    processes, all see them), and upstreams a worker would time out before (more than the
+    upstream_spans it started with) are refused, naming dns.upstreams."""
     from meshgate.mesh.identity import load_or_create
+    from tests.helpers import async_wait_until
     from tests.identity_testing import TestCA
     from tests.integration.test_dns_split import TagAuthority
 
@@ -534,7 +537,7 @@ async def test_what_cannot_change_live_here_is_refused_whole(tmp_path: Path) -> 
     block.write_text("blocked.test\n")
 
     def conf(cidrs: str = '"10.1.0.0/24"', exit_node: bool = False, upstreams: str = f'"{one.url}"',
-             blocklist: bool = False) -> str:
+             blocklist: bool = False, records: str = '"rec.test" = "10.8.8.8"') -> str:
         keys = ca.node_keys(cert)
         return (f'[node]\nname = "c"\nnetwork = "{ca.network}"\nipv4 = "10.144.5.1/24"\n'
                 f'state_dir = "{tmp_path / "c"}"\ncertificate = "{keys["certificate"]}"\n'
@@ -542,7 +545,7 @@ async def test_what_cannot_change_live_here_is_refused_whole(tmp_path: Path) -> 
                 f'[mesh]\nlisten = ["tcp://127.0.0.1:0"]\nproxy_cidrs = [{cidrs}]\n'
                 f'exit_node = {str(exit_node).lower()}\n'
                 f'[socks5]\nenable = false\n[admin]\nenable = false\n'
-                f'[dns]\nworkers = 2\nupstreams = [{upstreams}]\n'
+                f'[dns]\nworkers = 2\nupstreams = [{upstreams}]\nrecords = {{ {records} }}\n'
                 f'[[dns.listener]]\nprotocol = "udp"\nlisten = "127.0.0.1:0"\n'
                 + (f'[dns.blocklist]\nlists = ["{block}"]\n' if blocklist else "")
                 + '[limits]\ndns_timeout = 0.5\n')
@@ -566,16 +569,30 @@ async def test_what_cannot_change_live_here_is_refused_whole(tmp_path: Path) -> 
         assert res.applied and res.changed == ("mesh.proxy_cidrs",), res
         assert n.mesh.table.local.version == before.version + 1
 
-        path.write_text(conf(cidrs='"10.1.2.0/24"', blocklist=True))  # the workers' own copy
+        dns_svc = n.dns_service
+        assert dns_svc is not None and dns_svc.pool is not None
+        worker = dns_svc.pool.workers[0]
+        before = sum(worker.merge.queries.values())
+        names = [f"h{i}.blocked.test." for i in range(32)]
+        assert {await answer(n, q) for q in names} == {"192.0.2.11"}
+        assert {await answer(n, "rec.test.") for _ in range(32)} == {"10.8.8.8"}
+        rec = '"rec.test" = "10.9.9.9"'
+        path.write_text(conf(cidrs='"10.1.2.0/24"', blocklist=True, records=rec))
         res = n.reload()
-        assert not res.applied and res.restart == ("dns.blocklist.lists",), res
-        assert await answer(n, "blocked.test.") == "192.0.2.11"
+        assert res.applied and set(res.changed) == {"dns.blocklist.lists", "dns.records"}, res
+        # fresh sockets: the kernel spreads the questions over the main process and the worker
+        assert {await answer(n, q) for q in names} == {"NXDOMAIN"}
+        assert {await answer(n, "rec.test.") for _ in range(32)} == {"10.9.9.9"}
+        await async_wait_until(lambda: sum(worker.merge.queries.values()) > before + 16, 15,
+                               "the worker's report of the questions it answered")
 
-        path.write_text(conf(cidrs='"10.1.2.0/24"', upstreams=f'"{one.url}", "{two.url}"'))
+        path.write_text(conf(cidrs='"10.1.2.0/24"', blocklist=True, records=rec,
+                             upstreams=f'"{one.url}", "{two.url}"'))
         res = n.reload()  # a worker waits 1 x dns_timeout for this process: 2 could be too many
         assert not res.applied and res.restart == ("dns.upstreams",), res
 
-        path.write_text(conf(cidrs='"10.1.2.0/24"', upstreams=f'"{two.url}"'))  # as many: live
+        path.write_text(conf(cidrs='"10.1.2.0/24"', blocklist=True, records=rec,
+                             upstreams=f'"{two.url}"'))  # as many: live
         res = n.reload()
         assert res.applied and res.changed == ("dns.upstreams",), res
         assert await answer(n, "fresh.example.test.") == "192.0.2.22"
