@@ -21,6 +21,11 @@ Variants, each in its own set of namespaces, alternating per round (bench/common
                   itself uses 32768 on a node with udp:// links and 60000 with tcp:// only), so
                   the size of the super-packets that cross udp links in pieces is the one
                   difference: with `--loss` it shows what the smaller size saves.
+* `meshgate-acl`  `meshgate` with `[[acl]]` rules on every node that allow iperf3's port
+                  (mesh/tun_firewall.py): every packet a node's TUN sends or receives goes
+                  through connection tracking, the first of each flow through the rules.
+                  `--only meshgate,meshgate-acl --baseline meshgate`: their paired ratio is
+                  the cost of access rules on the TUN path.
 * `easytier`      the EasyTier core (PyPI `easytier-pyo3`) in TUN mode, TCP links, same
                   addresses; its STUN lists point at loopback (the namespaces have no
                   way out anyway). Skipped if the package is missing. `easytier-udp`:
@@ -38,6 +43,11 @@ Random packet loss: `--loss PCT` drops PCT% of the packets A and B send to a lin
 (nftables `numgen random`, output hook: tcp and udp port 11010, every variant alike). A GSO
 batch would be dropped whole there, so the meshgate udp rows send one packet per syscall
 under --loss (`udp_link_gso = false`, for the @REF rows too).
+
+`--firewall` (no root): the per-packet cost of the access rules alone (mesh/tun_firewall.py),
+in microseconds per call over 1200-byte UDP packets: parsing a packet (what every packet
+costs anyway), a tracked packet in, a packet out, a new flow decided by the real [[acl]]
+rules (egress/acl.py). Alternating rounds, medians.
 
 Metrics: TCP MB/s (iperf3 receiver), UDP packets/s received (1200-byte datagrams,
 unlimited rate, loss reported), and CPU seconds per GiB moved for each node's
@@ -76,12 +86,18 @@ MESH_DST = {"b": "10.144.144.2", "c": "10.144.144.3"}
 
 
 NOGSO = "udp_link_gso = false\n"
+# access rules that let iperf3 (control and data, TCP and UDP, port 5201) in and nothing else
+# (and ping, which the set-up waits on)
+ACL = ('[[acl]]\nfrom = ["*"]\nto = ["self:5201"]\nproto = "any"\n'
+       '[[acl]]\nfrom = ["*"]\nto = ["self"]\nproto = "icmp"\n')
+
 RELIABLE = "udp_link_fragment_datagrams = false\n"
 
 
-def node_conf(links: str, limits: str = "") -> dict[str, str]:
-    """The node configs with `links` (tcp or udp) for every link URL and `limits` lines."""
-    extra = f"[limits]\n{limits}" if limits else ""
+def node_conf(links: str, limits: str = "", acl: str = "") -> dict[str, str]:
+    """The node configs with `links` (tcp or udp) for every link URL, `limits` lines and
+    `acl` ([[acl]] tables) for every node."""
+    extra = acl + (f"[limits]\n{limits}" if limits else "")
     return {role: text.replace("tcp://", f"{links}://") + extra for role, text in NODE_CONF.items()}
 
 
@@ -139,6 +155,7 @@ class Setup:
     tree: Path | None = None  # run meshgate from this extracted git REF (--ab), not the checkout
     loss: float = 0.0  # percent of link packets A and B drop on output (--loss)
     gso_max: int = 0  # set the TUN devices' gso_max_size to this once up (0: meshgate's own)
+    acl: str = ""  # [[acl]] tables for every node's config
     topo: Topology | None = None
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -159,7 +176,7 @@ class Setup:
                 spec = json.dumps({"name": role, **conf[role]})
                 self.pids[role] = t.spawn(role, role, [sys.executable, __file__, "--easytier-node", spec]).pid
         else:
-            for role, text in node_conf(self.links, self.limits).items():
+            for role, text in node_conf(self.links, self.limits, self.acl).items():
                 t.config(role, text)
             for role in ("c", "b", "a"):
                 if self.tree is None:
@@ -172,6 +189,12 @@ class Setup:
                         "--loop", self.loop]
                 self.pids[role] = t.spawn(role, role, argv).pid
         t.wait_ping("a", MESH_DST["c"], timeout=30)
+        if self.acl:  # the rules are in force on the TUN path of every node
+            for role in ("a", "b", "c"):
+                code = ("import json, urllib.request; print(json.dumps(json.load(urllib.request.urlopen("
+                        "'http://127.0.0.1:15888/status', timeout=5))['services']['tun']['acl']))")
+                if t.nsexec(role, sys.executable, "-c", code).stdout.strip() != "true":
+                    raise RuntimeError(f"{role}: [[acl]] not active on the TUN path")
         if self.gso_max:
             for role in ("a", "b", "c"):
                 t.ip(role, "link", "set", "dev", "meshgate0", "gso_max_size", str(self.gso_max))
@@ -237,6 +260,59 @@ class Setup:
         return out
 
 
+def firewall_micro(rounds: int, n: int = 200_000) -> list[Runner]:
+    """Per-call cost of the TUN access checks, without a device or a network."""
+    import ipaddress
+    import struct
+    import timeit
+
+    from meshgate.config import from_dict
+    from meshgate.egress.acl import Acl, Source
+    from meshgate.mesh import tun_firewall as fw
+    from meshgate.mesh import tun_packets as tp
+
+    here, there = ipaddress.ip_address("10.144.144.3").packed, ipaddress.ip_address("10.144.144.1").packed
+    acl = Acl(from_dict({"acl": [{"from": ["group:laptops"], "to": ["self:5201"], "proto": "udp"},
+                                 {"from": ["*"], "to": ["self"], "proto": "icmp"}]}).acl)
+    who = Source(7, "a", ("laptops",), ipaddress.ip_address("10.144.144.1"))
+
+    class Rules:  # egress/acl.py PacketAccess, with the source known (no mesh here)
+        active = True
+        version = acl
+
+        def decide(self, node: int, dst: bytes, port: int, proto: str) -> int | None:
+            d = acl.decide(who, None, port, proto)
+            return (d.rule if d.rule is not None else fw.NO_RULES) if d.allowed else None
+
+    def udp(src: bytes, dst: bytes, sport: int, dport: int) -> bytes:
+        body = struct.pack("!HHHH", sport, dport, 1208, 0) + bytes(1200)
+        hdr = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(body), 0, 0x4000, 64, 17, 0, src, dst)
+        return hdr + body
+
+    inp, out = udp(there, here, 40000, 5201), udp(here, there, 5201, 40000)
+    pin = tp.parse(inp)
+    f = fw.Firewall(Rules(), 16384)
+    f.inbound(7, inp, pin, 0, 0.0)
+    flows = iter(range(1 << 30))
+
+    def per_call(fn: Any) -> Metrics:
+        return {"us/call": timeit.timeit(fn, number=n) / n * 1e6}
+
+    def new_flow() -> None:  # a fresh source port each time: the rules decide, the flow is added
+        pkt = udp(there, here, next(flows) & 0xFFFF, 5201)
+        f.inbound(7, pkt, tp.parse(pkt), 0, 1.0)
+
+    r = Runner("TUN access rules, per packet (in-process)", rounds=rounds, baseline="parse")
+    r.add("parse", lambda: per_call(lambda: tp.parse(inp)))
+    r.add("parse+on+inbound (tracked)", lambda: per_call(lambda: f.on() and f.inbound(7, inp, tp.parse(inp),
+                                                                                      0, 1.0)))
+    r.add("parse+on+outbound", lambda: per_call(lambda: f.on() and f.outbound(7, out, tp.parse(out), 0, 1.0)))
+    r.add("new flow (build+parse+decide)", lambda: {"us/call": timeit.timeit(new_flow, number=n // 10)
+                                                    / (n // 10) * 1e6})
+    r.run()
+    return [r]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(ap)
@@ -245,11 +321,16 @@ def main() -> int:
     ap.add_argument("--loss", type=float, default=0.0, metavar="PCT",
                     help="drop PCT%% of the link packets A and B send (udp rows then run without GSO)")
     ap.add_argument("--baseline", metavar="NAME", help="the variant the ratio columns are against")
+    ap.add_argument("--firewall", action="store_true", help="only the in-process cost of the access rules")
     ap.add_argument("--easytier-node", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.easytier_node:
         return easytier_node(json.loads(args.easytier_node))
+    if args.firewall:
+        report(firewall_micro(args.rounds), json_path=args.json, ratio_metrics=["us/call"])
+        return 0
     candidates = [Setup("kernel", mesh=False), Setup("meshgate", mesh=True),
+                  Setup("meshgate-acl", mesh=True, acl=ACL),
                   Setup("meshgate-asyncio", mesh=True, loop="asyncio"),
                   Setup("meshgate-udp", mesh=True, links="udp"),
                   Setup("meshgate-udp-nogso", mesh=True, links="udp", limits=NOGSO),

@@ -278,7 +278,7 @@ class TunPath:
             self._icmp_local(self._ip(pkt), p, tp.TIME_EXCEEDED, node=node)
             return
         fw = self.firewall
-        if fw is not None and fw.active:
+        if fw is not None and fw.on():
             fw.outbound(node, pkt, p, off, self._now)  # its answers may come back in
         buf = bytearray(pkt)
         tp.decrement_ttl(buf, off)  # the mesh is one router hop
@@ -423,7 +423,7 @@ class TunPath:
                         " not serve", src_node, ipaddress.ip_address(dst))
             return None
         fw = self.firewall
-        if fw is not None and fw.active:
+        if fw is not None and fw.on():
             verdict, proto, port = fw.inbound(src_node, payload, p, off, self.loop.time())
             if verdict is None:
                 self._deny(src_node, payload, p, off, proto, port)

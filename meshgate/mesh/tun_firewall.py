@@ -227,7 +227,15 @@ class Firewall:
         self.own = ConnTrack(max(1, max_flows // 2))  # flows this node started
         self.allowed = ConnTrack(max(1, max_flows // 2))  # flows a rule let in
         self._rules = access.version
+        self._active = access.active
         self.rechecks = 0  # rule changes that emptied `allowed`
+        # The flow of the last packet each way, live until the time beside it: a bulk flow's
+        # packets skip both tables (a tuple compare instead of dict work; REFRESH is far
+        # shorter than any timeout, so a flow seen here is still alive)
+        self._last_out: FlowKey | None = None
+        self._last_out_until = 0.0
+        self._last_in: FlowKey | None = None
+        self._last_in_until = 0.0
 
     def __len__(self) -> int:
         return len(self.own) + len(self.allowed)
@@ -236,42 +244,63 @@ class Firewall:
     def evicted(self) -> int:
         return self.own.evicted + self.allowed.evicted
 
-    @property
-    def active(self) -> bool:
-        return self.access.active
-
-    def _check_rules(self) -> None:
+    def on(self) -> bool:
+        """Whether the node has rules (ask before `inbound`/`outbound`, once per packet): a
+        rule change is noticed here, and forgets the flows old rules let in."""
         version = self.access.version
         if version is not self._rules:
             self._rules = version
+            self._active = self.access.active
             self.allowed.clear()
+            self._last_in = self._last_out = None
             self.rechecks += 1
+        return self._active
 
     def outbound(self, node: int, pkt: bytes | bytearray | memoryview, p: tp.Packet, off: int,
                  now: float) -> None:
         """A packet this node sends into the mesh to `node`: its answers may come back (an
         answer within a flow a rule let in refreshes that flow, and stays subject to the rules)."""
-        key = outbound_key(node, pkt, p, off)
+        proto = p.proto
+        if (proto == tp.PROTO_TCP or proto == tp.PROTO_UDP) and p.first_fragment \
+                and p.length >= p.header_len + 4:
+            # the common case inline (as `outbound_key`): ~0.2 us a packet less (timeit)
+            t = off + p.header_len
+            key: FlowKey | None = (node, proto, p.dst, (pkt[t + 2] << 8) | pkt[t + 3], p.src,
+                                   (pkt[t] << 8) | pkt[t + 1])
+        else:
+            key = outbound_key(node, pkt, p, off)
         if key is not None:
-            self._check_rules()
+            if key == self._last_out and now < self._last_out_until:
+                return
             if not self.allowed.hit(key, now):
                 self.own.add(key, now)
+            self._last_out, self._last_out_until = key, now + REFRESH
 
     def inbound(self, node: int, pkt: bytes | bytearray | memoryview, p: tp.Packet, off: int,
                 now: float) -> tuple[int | None, str, int]:
         """A packet from `node` (authenticated) that ends here: (verdict, proto, port). The
         verdict is TRACKED, a rule index (a new flow, now tracked), NO_RULES, or None (denied)."""
-        self._check_rules()
-        key = inbound_key(node, pkt, p, off)
+        proto = p.proto
+        if (proto == tp.PROTO_TCP or proto == tp.PROTO_UDP) and p.first_fragment \
+                and p.length >= p.header_len + 4:
+            # the common case inline (as `inbound_key`): ~0.2 us a packet less (timeit)
+            t = off + p.header_len
+            key: FlowKey | None = (node, proto, p.src, (pkt[t] << 8) | pkt[t + 1], p.dst,
+                                   (pkt[t + 2] << 8) | pkt[t + 3])
+        else:
+            key = inbound_key(node, pkt, p, off)
         if key is None:  # an ICMP error: only about a flow this node has
             related = quoted_key(node, pkt, p, off)
             ok = related is not None and (self.own.hit(related, now) or self.allowed.hit(related, now))
             return (TRACKED if ok else None), "icmp", 0
-        if self.own.hit(key, now) or self.allowed.hit(key, now):
+        if key == self._last_in and now < self._last_in_until:
             return TRACKED, "", 0
-        proto = proto_name(p.proto)
-        port = key[5] if proto != "icmp" else 0
-        verdict = self.access.decide(node, p.dst, port, proto)
+        if self.own.hit(key, now) or self.allowed.hit(key, now):
+            self._last_in, self._last_in_until = key, now + REFRESH
+            return TRACKED, "", 0
+        name = proto_name(proto)
+        port = key[5] if name != "icmp" else 0
+        verdict = self.access.decide(node, p.dst, port, name)
         if verdict is not None:
             self.allowed.add(key, now)
-        return verdict, proto, port
+        return verdict, name, port

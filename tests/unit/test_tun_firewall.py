@@ -222,6 +222,7 @@ def test_new_rules_decide_again_what_old_rules_let_in_but_not_the_nodes_own_flow
     f.outbound(PEER, own, tp.parse(own), 0, 0.1)
     assert (len(f.allowed), len(f.own)) == (1, 1)
     acc.acl = Acl(from_dict({"acl": [SSH_ONLY]}).acl)  # a reload: port 80 is no longer open
+    assert f.on()  # noticed here, as the TUN path asks before every packet
     assert f.inbound(OTHER, web, tp.parse(web), 0, 1.0)[0] is None and f.rechecks == 1
     back = ipv4(A4, B4, tp.PROTO_TCP, tcp(8080, 50000, 0x12))
     assert f.inbound(PEER, back, tp.parse(back), 0, 1.0)[0] == fw.TRACKED
