@@ -474,6 +474,9 @@ class UdpLink(LinkBase):
     def buffered(self) -> int:
         return self.session.buffered()
 
+    def undelivered(self) -> int:
+        return self.session.reliable_outstanding()
+
     def datagram_room(self) -> int:
         return self.session.datagram_room
 

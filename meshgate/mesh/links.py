@@ -80,6 +80,7 @@ class LinkBase:
         self._failed = False
         # 0: configured or accepted; traversal.LOCAL / REFLEXIVE: made by NAT traversal
         self.traversal_kind = 0
+        self.gone_seen = False  # the owner has handled this link's loss (once)
 
     # ------------------------------------------------------------ for the carrier
 
@@ -145,6 +146,11 @@ class LinkBase:
     def buffered(self) -> int:
         """Bytes accepted for sending and not yet gone (or, on UDP, not yet acknowledged)."""
         raise NotImplementedError
+
+    def undelivered(self) -> int:
+        """Bytes of reliable frames (streams, routes) this link took and has not delivered as
+        far as it knows: when it goes, those frames are lost."""
+        return self.buffered()
 
     def datagram_room(self) -> int:
         """The largest DATAGRAM frame body this link carries as one unit (a byte pipe: any;

@@ -492,7 +492,7 @@ class MeshService:
         if peer is None:
             return
         links = self.links.get(peer.node_id)
-        self._traversal_link_gone(link)
+        self._link_gone(link)
         if links and link in links:
             links.remove(link)
             _links_gauge.dec()
@@ -601,8 +601,8 @@ class MeshService:
                 links = self.links.get(ident.node_id)
                 if links and link in links:
                     links.remove(link)
+                    self._forget_link(link)  # before abort: what it still held is counted
                     link.abort()
-                    self._forget_link(link)
         gone = [o for o, r in self.table.records.items()
                 if o != self.node_id and r.cert and not trust.usable(r.cert, now)]
         if gone:
@@ -631,8 +631,8 @@ class MeshService:
                     self.stats["link_dead"] += 1
                     log.info("mesh link %s silent for %.1fs; closing", link.url, now - link.last_rx)
                     links.remove(link)  # withdraw now; connection_lost may come later
+                    self._forget_link(link)  # before abort: what it still held is counted
                     link.abort()
-                    self._forget_link(link)
                     continue
                 self._send_ping(link)
                 self._report_counters(link)
@@ -652,7 +652,7 @@ class MeshService:
     def _forget_link(self, link: LinkBase) -> None:
         assert link.peer is not None
         nid = link.peer.node_id
-        self._traversal_link_gone(link)
+        self._link_gone(link)
         _links_gauge.dec()
         if not self.links.get(nid):
             self.links.pop(nid, None)
@@ -1034,22 +1034,33 @@ class MeshService:
             if not pins:
                 del self._pinned[peer]
 
-    def _traversal_link_gone(self, link: LinkBase) -> None:
-        """A direct link made by traversal went. Its reliable frames not yet acknowledged are
-        lost with it; a stream that had some there would go on with a gap, so the streams that
-        used it are reset (both ends, through the relay) rather than corrupted. With nothing
-        outstanding on it (an idle link) every stream just moves to the relay."""
-        if self.traversal is None or not self.traversal.link_down(link) or link.peer is None:
+    def _link_gone(self, link: LinkBase) -> None:
+        """A link went. Frames it still held (not yet sent, or on udp:// not yet acknowledged)
+        are lost with it; a stream that had some there would go on with a gap in its bytes, so
+        the streams that used the link (those to its peer, and those pinned to it as their
+        relay) are reset at both ends rather than corrupted. A link that held nothing (an idle
+        one) costs no stream: they all take the route there is. (On a byte-pipe link, bytes
+        already in the kernel's socket buffer are not seen here.)"""
+        if link.gone_seen:
+            return
+        link.gone_seen = True
+        if self.traversal is not None:
+            self.traversal.link_down(link)
+        lost = link.undelivered()
+        if link.peer is None or self.mux is None or not lost:
             return
         peer = link.peer.node_id
-        if self.mux is None or not link.buffered():
-            return
-        pinned = set(self._pinned.get(peer, {}))
-        reset = self.mux.reset_peer(peer, NETWORK_UNREACHABLE, keep=pinned)
+        reset = 0
+        for dst, pins in list(self._pinned.items()):
+            keys = {k for k, via in pins.items() if via is link}
+            if keys:
+                reset += self.mux.reset_peer(dst, NETWORK_UNREACHABLE, only=keys)
+        keep = set(self._pinned.get(peer, {}))  # streams to the peer that went another way
+        reset += self.mux.reset_peer(peer, NETWORK_UNREACHABLE, keep=keep)
         if reset:
             self.stats["streams_reset_link_lost"] += reset
-            log.info("direct link %s to %08x lost with data in flight: %d streams reset",
-                     link.url, peer, reset)
+            log.info("mesh link %s lost with %d bytes not delivered: %d streams reset",
+                     link.url, lost, reset)
 
     # ------------------------------------------------------------------ datagrams
 

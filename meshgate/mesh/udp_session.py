@@ -268,6 +268,11 @@ class UdpSession:
         """Reliable bytes not yet acknowledged (queued or in flight) plus queued datagrams."""
         return len(self._tx) + self._inflight + self._dgram_bytes
 
+    def reliable_outstanding(self) -> int:
+        """Reliable bytes not yet acknowledged (queued or in flight): what a lost link loses
+        of the frames it carried (datagrams aside, which may be lost anyway)."""
+        return len(self._tx) + self._inflight
+
     def queued(self) -> int:
         """Reliable bytes waiting behind the window (the backpressure signal)."""
         return len(self._tx)

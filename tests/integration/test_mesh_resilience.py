@@ -9,6 +9,7 @@ from meshgate.mesh.frames import RECORD, RECORD_EXTRA
 from meshgate.mesh.link_ring import RingTransport
 from meshgate.mesh.service import MeshService
 from meshgate.metrics import REGISTRY
+from meshgate.replies import NETWORK_UNREACHABLE
 from tests.helpers import async_wait_until
 from tests.mesh_testing import (
     Collector,
@@ -18,6 +19,7 @@ from tests.mesh_testing import (
     ring_name,
     start_node,
     stop_all,
+    write_all,
 )
 
 ip = ipaddress.ip_address
@@ -299,6 +301,59 @@ async def test_an_open_is_answered_the_way_it_came_before_the_routes_catch_up() 
         _, proto = await a.open_stream(c.node_id, "127.0.0.1", port, Collector)
         assert await asyncio.wait_for(proto.done, 10) == b"hello"  # type: ignore[attr-defined]
         assert c.stats["sent_way_back"] >= 1
+    finally:
+        srv.close()
+        await stop_all(nodes)
+
+
+async def test_a_relay_lost_mid_stream_resets_the_stream_rather_than_leave_a_gap() -> None:
+    """A-B-C and A-D-C on udp:// links; the relay a bulk stream takes stops mid-transfer. Its
+    unacknowledged frames are gone with its link, so the stream is reset at both ends (the
+    route moves to the other relay for new streams); before, it went on through the other
+    relay with a hole in its bytes, or stalled for the credit that was lost."""
+    import hashlib
+    import os
+
+    b = await start_node(node_config("b", "10.9.0.2/24", listen=["udp://127.0.0.1:0"]))
+    d = await start_node(node_config("d", "10.9.0.4/24", listen=["udp://127.0.0.1:0"]))
+    a = await start_node(node_config("a", "10.9.0.1/24", peers=[b.listen_addrs[0], d.listen_addrs[0]]))
+    c = await start_node(node_config("c", "10.9.0.3/24", peers=[b.listen_addrs[0], d.listen_addrs[0]]))
+    nodes = [a, b, c, d]
+    got = hashlib.sha256()
+    seen = {"n": 0}
+
+    async def sink(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while chunk := await r.read(1 << 16):
+            got.update(chunk)
+            seen["n"] += len(chunk)
+        w.close()
+
+    srv = await asyncio.start_server(sink, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        await async_wait_until(lambda: converged(nodes), 15, "square over udp://")
+        r = a.lookup(ip("10.9.0.3"))
+        assert r is not None and r.hops == 2
+        relay = b if r.next_hop == b.node_id else d
+        transport, proto = await a.open_stream(c.node_id, "127.0.0.1", port, Collector)
+        assert isinstance(proto, Collector)
+        data = os.urandom(64 << 20)
+        writer = asyncio.ensure_future(write_all(proto, data))
+        await async_wait_until(lambda: seen["n"] > 4 << 20, 20, "the stream under way")
+        await relay.stop()
+        await asyncio.wait_for(proto.done, 30)  # ends one way or another, never hangs
+        writer.cancel()
+        if proto.lost is None:  # it completed: then every byte, in order
+            assert seen["n"] == len(data) and got.digest() == hashlib.sha256(data).digest()
+        else:
+            from meshgate.mesh.streams import StreamError
+
+            assert isinstance(proto.lost, StreamError) and proto.lost.code == NETWORK_UNREACHABLE, proto.lost
+            assert a.stats["streams_reset_link_lost"] >= 1
+        # new streams take the other relay
+        transport2, _ = await a.open_stream(c.node_id, "127.0.0.1", port, Collector)
+        transport.close()
+        transport2.close()
     finally:
         srv.close()
         await stop_all(nodes)
