@@ -24,15 +24,16 @@ Nebula. IPv6 extension headers are not walked (the first next-header counts).
 Two tables, each half of `max_flows`: the flows this node started, and the flows a rule
 let in. A flood of new flows from a member some rule allows cannot push the node's own flows
 out, and when the rules change (a reload) the second table is emptied, so every flow a rule
-let in is decided again by the new rules at its next packet (Nebula re-checks its conntrack
-on reload too); the node's own flows stay.
+let in is decided again by the new rules at its next packet from the mesh (Nebula re-checks
+its conntrack on reload too); the node's own flows stay. A forgotten flow whose local end
+sends first is taken as the node's own, as any untracked packet going out is.
 
 Timeouts are Nebula's defaults: TCP 12 minutes, UDP 3 minutes, ICMP (and any
 other protocol) 10 seconds, refreshed by traffic in either direction (at most
-once a second per flow, so the hot path is one dict lookup). The table is an
-LRU, the two of at most `max_flows` entries together; a full table evicts the least recently
-refreshed flow (counted), so a flood of new flows costs old idle ones their
-entry, never memory.
+once a second per flow). The hot path: a packet of the same flow as the previous one
+each way is a tuple compare, any other one or two dict lookups. Each table is an LRU;
+a full one evicts its least recently refreshed flow (counted), so a flood of new flows
+costs old idle ones their entry, never memory.
 
 What a packet is decided with (`Access.decide`) is injected: the rules and the
 identity of nodes live above the mesh (meshgate/egress/acl.py, PacketAccess).
