@@ -28,7 +28,7 @@ import ipaddress
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,19 +198,25 @@ class Blocklist:
     """The match table of every configured list: `blocked(name)` for a lowercased wire name."""
 
     def __init__(self, lists: Iterable[str], allow: Iterable[str], refresh: float, now: float = 0.0, *,
-                 fetch_timeout: float = 30.0, max_bytes: int = 64 << 20,
+                 url_list: Callable[[str, bool], Any] | None = None,
                  previous: Blocklist | None = None) -> None:
+        """`url_list(url, allowlist)` makes the list object of an http(s) URL (the pipeline passes
+        blocklist_url.UrlList with its bounds; this module stays free of I/O beyond files);
+        `previous` hands over the URL lists a reload still names, with their copies."""
         sources = [(p, False) for p in lists] + [(p, True) for p in allow]
         self.files: list[Any] = []  # ListFile, or blocklist_url.UrlList for a URL
         self.urls: list[Any] = []
         kept = {(u.path, u.allowlist): u for u in previous.urls} if previous is not None else {}
         for source, allowlist in sources:
             if "://" in source:
-                from meshgate.dns.blocklist_url import UrlList  # only with URL lists configured
-
-                url = kept.pop((source, allowlist), None) or UrlList(source, allowlist, timeout=fetch_timeout,
-                                                                     max_bytes=max_bytes)
-                url.timeout, url.max_bytes, url.on_change = fetch_timeout, max_bytes, self._build
+                if url_list is None:
+                    raise ValueError(f"{source!r}: URL lists need a url_list factory")
+                url = url_list(source, allowlist)
+                old = kept.pop((source, allowlist), None)
+                if old is not None:  # its copy and validators, with the new bounds
+                    old.timeout, old.max_bytes = url.timeout, url.max_bytes
+                    url = old
+                url.on_change = self._build
                 self.urls.append(url)
                 self.files.append(url)
             else:

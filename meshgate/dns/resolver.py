@@ -27,6 +27,7 @@ What the pipeline needs from the rest of the node comes in its constructor
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import secrets
@@ -38,6 +39,7 @@ from meshgate.buffers import Buffer, BufferPool
 from meshgate.config import Config, DnsBlocklistConfig
 from meshgate.dns import wire
 from meshgate.dns.blocklist import Blocklist
+from meshgate.dns.blocklist_url import UrlList
 from meshgate.dns.cache import AnswerCache
 from meshgate.dns.querylog import QueryLog
 from meshgate.dns.ratelimit import DROP, ClientRateLimit
@@ -223,8 +225,8 @@ class Pipeline:
         with the local memo dropped, so the next question is decided by the new set. None when
         not configured: the pipeline then does no blocklist work at all."""
         old = getattr(self, "blocklist", None)
-        self.blocklist = Blocklist(bl.lists, bl.allow, bl.refresh, time.monotonic(),
-                                   fetch_timeout=bl.fetch_timeout, max_bytes=bl.max_bytes,
+        urls = functools.partial(UrlList, timeout=bl.fetch_timeout, max_bytes=bl.max_bytes)
+        self.blocklist = Blocklist(bl.lists, bl.allow, bl.refresh, time.monotonic(), url_list=urls,
                                    previous=old) if bl.enabled else None
         if self.blocklist is None and old is not None:
             for url in old.urls:  # no lists any more: stop their downloads
