@@ -43,6 +43,9 @@ Tables (bench/common.py runner: alternating rounds, medians):
    GET), each resolved through unbound on loopback (`--upstream tcp`: over
    meshgate's pooled, pipelined TCP upstream connections instead of UDP).
    Peer configs: bench/peers/unbound.conf.in, bench/peers/dnsdist.conf.in.
+   `--rate-limit` adds `meshgate-rl`: the per-client rate limit on its udp and
+   doh listeners at a rate no row reaches, so the row beside `meshgate` shows
+   what the check costs per query.
 
 Nothing leaves 127.0.0.1: peers answer `*.test` locally; load is bounded in
 count and time.
@@ -425,7 +428,8 @@ def _start_dnsdist(tmp: Path, name: str, threads: int, cert: Path, key: Path) ->
 
 def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None,
                   upstream_scheme: str = "udp", workers: tuple[int, ...] = (1,),
-                  keep: Callable[[str], bool] = lambda name: True) -> dict[str, Server]:
+                  keep: Callable[[str], bool] = lambda name: True, rate_limit: bool = False
+                  ) -> dict[str, Server]:
     """The servers under load; `keep(name)` False leaves one unstarted (`--only`), except the
     one-thread unbound, which is meshgate's upstream."""
     cert, key = _cert(tmp)
@@ -455,17 +459,24 @@ def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None,
             # unbound answers TCP on its UDP port too: tcp:// is a pooled, pipelined upstream.
             servers[name] = _start_meshgate(tmp, name, cwd, f"{upstream_scheme}://127.0.0.1:{u_udp}", cert,
                                             key, n)
+    if rate_limit and keep("meshgate-rl"):
+        # The per-client rate limit on every listener, at a rate no row reaches: what its check
+        # costs per query.
+        servers["meshgate-rl"] = _start_meshgate(tmp, "meshgate-rl", ROOT, f"{upstream_scheme}://127.0.0.1:{u_udp}",
+                                                 cert, key, 1, rate_limit=True)
     return servers
 
 
 def _start_meshgate(tmp: Path, name: str, cwd: Path, upstream: str, cert: Path, key: Path,
-                    workers: int = 1) -> Server:
+                    workers: int = 1, rate_limit: bool = False) -> Server:
     m_udp, m_doh = free_port(), free_port()
     # DoH over HTTP/3 on the DoH port number over UDP (the working tree only: an --ab REF from
     # before the doh3 kind would refuse the config).
     h3 = m_doh if cwd == ROOT else 0
     doh3 = (f'[[dns.listener]]\nprotocol = "doh3"\nlisten = "127.0.0.1:{m_doh}"\n'
             f'cert = "{cert}"\nkey = "{key}"')
+    rl = "rate_limit = true" if rate_limit else ""
+    rl_limits = "dns_client_qps = 1e9\ndns_client_burst = 1000000000" if rate_limit else ""
     tag = name.replace("@", "-").replace("/", "_")
     cfg = tmp / f"{tag}.toml"
     cfg.write_text(f"""
@@ -483,15 +494,18 @@ cache_size = 1000000
 [[dns.listener]]
 protocol = "udp"
 listen = "127.0.0.1:{m_udp}"
+{rl}
 [[dns.listener]]
 protocol = "doh"
 listen = "127.0.0.1:{m_doh}"
 cert = "{cert}"
 key = "{key}"
+{rl}
 {doh3 if h3 else ""}
 [limits]
 dns_max_inflight = 100000
 buffer_pool_size = 4096
+{rl_limits}
 """)
     argv = [sys.executable, "-m", "meshgate", "run", "-c", str(cfg)]
     # `python -m` imports meshgate from the working directory: the checkout or the git REF's tree.
@@ -590,6 +604,8 @@ def main() -> None:
     ap.add_argument("--rows", help="comma-separated substrings: keep only load rows containing one")
     ap.add_argument("--upstream", choices=["udp", "tcp"], default="udp",
                     help="meshgate's loopback upstream (unbound) for the MISS rows")
+    ap.add_argument("--rate-limit", action="store_true",
+                    help="also run meshgate-rl: the per-client rate limit on, never reached (its cost)")
     ap.add_argument("--workers", default="1,2",
                     help="comma-separated dns.workers values: 1 = row 'meshgate', N = 'meshgate-wN'")
     args = ap.parse_args()
@@ -619,7 +635,7 @@ def main() -> None:
             wanted = {"meshgate", "unbound", "dnsdist"}
             workers = tuple(int(w) for w in args.workers.split(","))
             servers = start_servers(tmp, wanted, args.ab, args.upstream, workers,
-                                    keep=lambda name: selected(args, name))
+                                    keep=lambda name: selected(args, name), rate_limit=args.rate_limit)
             try:
                 runners.append(_load(args, tmp, servers))
             finally:
