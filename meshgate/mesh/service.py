@@ -222,9 +222,9 @@ class MeshService:
         self.traversal_off = ""  # why there is no traversal agent (meshgate status)
         # may traversal punch a direct path with this node? The node sets it from [[acl]]
         self.traversal_allowed: Callable[[int], bool] = lambda _nid: True
-        # streams that went through a relay stay on it when a direct link to their far end
-        # comes (their frames there are still on the way; the new link would let later bytes
-        # overtake them): far node -> (sid, opened here) -> the link they went out on
+        # the link each stream's frames go out on, kept while it is up: a new route (a direct
+        # link made by traversal) or a second link to the same neighbour would let later bytes
+        # overtake earlier ones still on the way: far node -> (sid, opened here) -> link
         self._pinned: dict[int, dict[tuple[int, bool], LinkBase]] = {}
         self._ticks = 0
         self._running = False
@@ -951,22 +951,38 @@ class MeshService:
     ) -> bool:
         """Send an end-to-end frame from this node; False if there is no route."""
         flags |= self.policy_flag
-        link = self._route_link(dst, flags)
-        if self._pinned and dst in self._pinned and ftype in STREAM_FRAMES:
-            link = self._pinned_link(dst, flags, head) or link
+        if ftype in STREAM_FRAMES and len(head) >= 4:
+            link = self._stream_link(dst, flags, head)
+        else:
+            link = self._route_link(dst, flags) or self._way_back(dst)
         if link is None:
-            link = self._way_back(dst)
-            if link is None:
-                return False
+            return False
         assert link.peer is not None
         if link.peer.node_id != dst:  # relayed: sealed end to end
-            if ftype in STREAM_FRAMES and len(head) >= 4:
-                self._pinned.setdefault(dst, {})[(SID.unpack_from(head)[0], bool(flags & FLAG_OPENER))] = link
             if self.traversal is not None and ftype != TRAVERSAL:
                 self.traversal.relayed(dst)
             return self._send_sealed(link, dst, ftype, flags, bytes(head) + bytes(data), False)
         link.send_frame(ftype, flags, DEFAULT_HOP_LIMIT, self.node_id, dst, head, data)
         return True
+
+    def _stream_link(self, dst: int, flags: int, head: bytes | bytearray | memoryview) -> LinkBase | None:
+        """The link a stream's frames take: the one its first frame took, while it is up
+        (`_pinned`: a new route or a second link to the same neighbour would let later bytes
+        overtake earlier ones), else the route there is now."""
+        key = (SID.unpack_from(head)[0], bool(flags & FLAG_OPENER))
+        pins = self._pinned.get(dst)
+        if pins is not None:
+            link = pins.get(key)
+            if link is not None:
+                if not link.gone_seen:
+                    return link
+                del pins[key]
+        link = self._route_link(dst, flags) or self._way_back(dst)
+        if link is not None:
+            if pins is None:
+                pins = self._pinned[dst] = {}
+            pins[key] = link
+        return link
 
     def _remember_way_back(self, src: int, link: LinkBase) -> None:
         """The link a stream OPEN from `src` came in on. An OPEN can arrive before this node
@@ -1009,21 +1025,6 @@ class MeshService:
 
         return link_udp.UdpLink(self, url, initiator, sock, addr, self.config.limits)
 
-    def _pinned_link(self, dst: int, flags: int, head: bytes | bytearray | memoryview) -> LinkBase | None:
-        """The relay link a stream's earlier frames took, while it is up (see `_pinned`)."""
-        if len(head) < 4:
-            return None
-        pins = self._pinned[dst]
-        key = (SID.unpack_from(head)[0], bool(flags & FLAG_OPENER))
-        old = pins.get(key)
-        if old is None:
-            return None
-        if old.peer is None or old not in self.links.get(old.peer.node_id, ()):
-            del pins[key]  # the relay link went: the stream takes the route there is
-            return None
-        self.stats["sent_pinned"] += 1
-        return old
-
     def _unpin_finished(self) -> None:
         """Once a tick: forget the pins of streams that ended."""
         assert self.mux is not None
@@ -1037,8 +1038,8 @@ class MeshService:
     def _link_gone(self, link: LinkBase) -> None:
         """A link went. Frames it still held (not yet sent, or on udp:// not yet acknowledged)
         are lost with it; a stream that had some there would go on with a gap in its bytes, so
-        the streams that used the link (those to its peer, and those pinned to it as their
-        relay) are reset at both ends rather than corrupted. A link that held nothing (an idle
+        the streams whose frames go out on it (`_pinned`) are reset at both ends rather than
+        corrupted. A link that held nothing (an idle
         one) costs no stream: they all take the route there is. (On a byte-pipe link, bytes
         already in the kernel's socket buffer are not seen here.)"""
         if link.gone_seen:
@@ -1049,14 +1050,11 @@ class MeshService:
         lost = link.undelivered()
         if link.peer is None or self.mux is None or not lost:
             return
-        peer = link.peer.node_id
         reset = 0
         for dst, pins in list(self._pinned.items()):
             keys = {k for k, via in pins.items() if via is link}
             if keys:
                 reset += self.mux.reset_peer(dst, NETWORK_UNREACHABLE, only=keys)
-        keep = set(self._pinned.get(peer, {}))  # streams to the peer that went another way
-        reset += self.mux.reset_peer(peer, NETWORK_UNREACHABLE, keep=keep)
         if reset:
             self.stats["streams_reset_link_lost"] += reset
             log.info("mesh link %s lost with %d bytes not delivered: %d streams reset",

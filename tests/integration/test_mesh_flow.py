@@ -54,9 +54,16 @@ async def test_stalled_reader_bounds_relay_memory(kind: str) -> None:
         await async_wait_until(
             lambda: (s := c_stream()) is not None and s.send_credit == 0, 10, "credit used"
         )
-        sent_at_stall = sent
-        for _ in range(20):  # let anything that could still move, move
-            await asyncio.sleep(0.01)
+        # the server is back-pressured: what it sends stops growing (what moved after the
+        # credit ran out fills the egress stream's buffer up to its high-water mark, then
+        # the socket's: how far it gets first depends on the machine's load)
+        samples: list[int] = []
+
+        def settled() -> bool:
+            samples.append(sent)
+            return len(samples) >= 10 and len(set(samples[-10:])) == 1
+
+        await async_wait_until(settled, 10, "the server's writes blocked")
         relay_buffered = sum(link.buffered() for links in b.links.values() for link in links)
         s = c_stream()
         assert s is not None
@@ -64,7 +71,7 @@ async def test_stalled_reader_bounds_relay_memory(kind: str) -> None:
         assert transport._recv_buffered <= WINDOW  # receiver holds at most one window
         assert relay_buffered <= 2 * WINDOW  # the relay holds at most what is in flight
         assert s.get_write_buffer_size() <= 4 * WINDOW + 4 * 65536  # egress stops reading its socket
-        assert sent < total and sent - sent_at_stall <= 4 * 65536  # the server is back-pressured
+        assert sent < total // 4  # blocked far from the end: the window, buffers and sockets only
 
         transport.resume_reading()
         got = await asyncio.wait_for(proto.done, 60)
