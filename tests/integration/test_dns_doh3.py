@@ -216,3 +216,28 @@ async def test_connections_capped_per_client_address(tmp_path: Path, auth: Local
             assert r.rcode() == dns.rcode.NOERROR
     finally:
         await env.svc.stop()
+
+
+async def test_streams_per_connection_capped_and_given_back(tmp_path: Path, auth: LocalAuthority) -> None:
+    """doh_max_streams is what the connection may hold at once (advertised as MAX_STREAMS): with
+    a cap of 3, five never-finished requests are held at most three at a time, and the last two
+    get their turn (and their 408) once the first three have ended."""
+    env = await start(tmp_path, auth, doh_max_streams=3, doh_request_timeout=0.5, dns_tcp_idle_timeout=60.0)
+    try:
+        async with quic_connect("127.0.0.1", env.port, configuration=h3_config(),
+                                create_protocol=H3Client) as c:
+            client: H3Client = c  # type: ignore[assignment]
+            stalled = [client.request(POST, end=False) for _ in range(5)]
+            most = 0
+
+            def all_timed_out() -> bool:
+                nonlocal most
+                for p in env.h3.conns:
+                    most = max(most, len(p.requests) + len(p.running))
+                return all(client.status.get(s) == 408 for s in stalled)
+
+            await async_wait_until(all_timed_out, what="408 on all five")
+            assert 1 <= most <= 3
+            assert env.stats()["errors"].get("request_timeout", 0) == 5
+    finally:
+        await env.svc.stop()
