@@ -310,7 +310,7 @@ class LimitsConfig:
     dns_tcp_idle_timeout: float = 10.0
     dns_tcp_max_clients: int = 1024  # per DNS TCP/DoT/DoH listener
     dns_tcp_max_queries: int = 64  # pipelined queries in flight per TCP/DoT connection
-    # one client address cannot hold every DoH/ODoH slot; 0 = a quarter of dns_tcp_max_clients, at least 4
+    # one client address cannot hold every DoH/ODoH/DoH3/DoQ slot; 0 = a quarter of dns_tcp_max_clients (>= 4)
     dns_tcp_max_clients_per_source: int = 0
     dns_upstream_max_connections: int = 4  # pooled connections per tcp/tls/https/quic upstream
     dns_upstream_max_queries: int = 64  # queries in flight on one upstream connection (streams for h2/DoQ)

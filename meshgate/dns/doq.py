@@ -11,6 +11,9 @@ stream close the connection with DOQ_PROTOCOL_ERROR. Answers are padded
 (RFC 8467 blocks) whenever the query has EDNS. In 0-RTT only QUERY is
 served; other opcodes get REFUSED with Extended DNS Error 26 (Too Early).
 
+Connections: limits.dns_tcp_max_clients, and limits.dns_tcp_max_clients_per_source from one
+client address (dns/clients.py), refused with DOQ_EXCESSIVE_LOAD.
+
 Bounds: every stream has a read deadline (limits.doq_stream_timeout; a
 stream that never FINs would otherwise hold an aioquic slot forever, CoreDNS
 CVE-2025-47950), streams open at once per connection ≤ limits.doq_max_streams
@@ -36,8 +39,8 @@ from aioquic.tls import SessionTicket
 
 from meshgate.buffers import Buffer
 from meshgate.config import HostPort, LimitsConfig
-from meshgate.conns import admit
 from meshgate.dns import wire
+from meshgate.dns.clients import ClientConns, admit_client
 from meshgate.dns.listeners import Listener, bound_address
 from meshgate.dns.ratelimit import ClientRateLimit
 from meshgate.dns.resolver import Frontend, Pipeline, Ready
@@ -149,17 +152,19 @@ class DoqProtocol(QuicConnectionProtocol):
         self.closed = False
         self.deadline_timer: asyncio.TimerHandle | None = None
         cap_bidi_streams(self._quic, self.limits.doq_max_streams)
-        # Refused with a DoQ code once the first packet is processed (a close before that would
-        # not reach the client, and the peer's address is known only then).
-        self.over_cap = not admit(self.conns, self, self.limits.dns_tcp_max_clients)
+        # Admitted (limits.dns_tcp_max_clients, and _per_source: dns/clients.py) or refused with a
+        # DoQ code once the first packet is processed (a close before that would not reach the
+        # client, and the peer's address is known only then).
+        self.admitted: bool | None = None
 
     @property
     def peer(self) -> Any:
         return self._quic._network_paths[0].addr if self._quic._network_paths else None
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
-        if self.over_cap and not self.closed:
-            self.stats.refused_connection(self.peer, len(self.conns))
+        if self.admitted is None:
+            self.admitted = admit_client(self.conns, self, self.peer, self.limits, self.stats)
+        if not self.admitted and not self.closed:
             self.closed = True
             self._quic.close(error_code=DOQ_EXCESSIVE_LOAD, reason_phrase="too many connections")
             return
@@ -326,7 +331,7 @@ async def start_doq(pipeline: Pipeline, stats: ListenerStats, limits: LimitsConf
     config.load_cert_chain(cert, key)
     tickets = TicketStore()
     frontend = Frontend(pipeline, stats, limiter=limiter)
-    conns: set[DoqProtocol] = set()
+    conns = ClientConns(limits)
 
     def make(*args: Any, **kwargs: Any) -> DoqProtocol:
         proto = DoqProtocol.__new__(DoqProtocol)

@@ -661,6 +661,25 @@ async def test_doq_connection_cap(tmp_path: Any, auth: LocalAuthority) -> None:
         await env.svc.stop()
 
 
+async def test_doq_connections_capped_per_client_address(tmp_path: Any, auth: LocalAuthority) -> None:
+    env = await start_env(tmp_path, auth, dns_tcp_max_clients=4, dns_tcp_max_clients_per_source=1)
+    try:
+        host, port = env.hp("quic")
+        async with doq_client(host, port) as first:
+            assert isinstance(first, QuicEvents)
+            await async_wait_until(lambda: len(_doq_conns(env)) == 1)
+            with pytest.raises(ConnectionError):  # same address: DOQ_EXCESSIVE_LOAD in the handshake
+                async with doq_client(host, port):
+                    pass
+            assert env.stat("quic").snapshot()["drops"]["max_clients_per_source"] == 1
+            # Another address is admitted while the first holds its one slot.
+            q = dns.message.make_query("alpha.mesh.internal", "A")
+            r = await dns.asyncquery.quic(q, host, port=port, timeout=10, verify=False, source="127.0.0.2")
+            assert r.answer
+    finally:
+        await env.svc.stop()
+
+
 def _doq_conns(env: Env) -> set[Any]:
     from meshgate.dns.doq import DoqProtocol
 
