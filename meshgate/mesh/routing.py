@@ -598,6 +598,13 @@ class RouteTable:
             cache[ip] = route
         return route
 
+    def inside_mesh(self, ip: IPAddress) -> bool:
+        """Is `ip` an address the mesh itself carries (a node's virtual IP, the own virtual
+        subnets, an advertised proxy CIDR), exits aside? A link to it would run inside the mesh."""
+        if ip in self._exact or any(ip.version == n.version and ip in n for n in self._own_nets):
+            return True
+        return any(ip.version == net.version and ip in net for net, _origin in self._cidrs)
+
     def _lookup(self, ip: IPAddress, latency: bool) -> Route | None:
         origin = self._exact.get(ip)
         if origin is not None:

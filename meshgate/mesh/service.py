@@ -1014,6 +1014,16 @@ class MeshService:
                 return link.peer.key
         return None
 
+    def inside_mesh(self, host: str) -> bool:
+        """An address the mesh carries (virtual IPs, proxy CIDRs): never a traversal endpoint,
+        or the direct link would run through the mesh it stands for (a TUN node's own
+        meshgate0 address is one of the host's interface addresses)."""
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return True
+        return self.table.inside_mesh(ip)
+
     def send_traversal(self, dst: int, body: bytes) -> bool:
         return self.send(TRAVERSAL, 0, dst, body)
 

@@ -101,6 +101,7 @@ class TraversalHost(Protocol):
     def limits(self) -> LimitsConfig: ...
 
     def peer_key(self, nid: int) -> bytes | None: ...
+    def inside_mesh(self, host: str) -> bool: ...
     def send_traversal(self, dst: int, body: bytes) -> bool: ...
     def may_punch(self, nid: int) -> bool: ...
     def make_udp_link(self, url: str, initiator: bool, sock: Any, addr: Any) -> UdpLink: ...
@@ -185,7 +186,7 @@ class TraversalAgent:
         for ep in self.reflexive.values():
             if (REFLEXIVE, ep) not in out and (LOCAL, ep) not in out:
                 out.append((REFLEXIVE, ep))
-        return out[:MAX_ENDPOINTS]
+        return [e for e in out if not self.host.inside_mesh(e[1][0])][:MAX_ENDPOINTS]
 
     def _aead(self, nid: int) -> ChaCha20Poly1305 | None:
         aead = self._keys.get(nid)
@@ -287,7 +288,10 @@ class TraversalAgent:
             self._drop("unexpected_call", f"node {src:08x}")
             return
         pair.candidates.clear()
-        pair.learn(endpoints)
+        inside = [ep for _kind, ep in endpoints if self.host.inside_mesh(ep[0])]
+        if inside:
+            self._drop("mesh_address", f"node {src:08x}")  # a link there would run inside the mesh
+        pair.learn((k, ep) for k, ep in endpoints if ep not in inside)
         # the moment: both ends probe now; the first round at a low TTL, the next ones after
         # one relayed trip, when the far end has opened its own mapping
         pair.started = now
@@ -340,7 +344,7 @@ class TraversalAgent:
             pair = self.pairs.get(sender, create=False)
             if pair is not None and pair.started >= 0:
                 pair.heard = True
-                if seen not in pair.candidates:
+                if seen not in pair.candidates and not self.host.inside_mesh(seen[0]):
                     pair.candidates[seen] = REFLEXIVE  # peer-reflexive: its NAT chose this port for us
             return
         assert probe.observed is not None

@@ -250,3 +250,24 @@ async def test_status_says_why_traversal_is_off_without_udp_links() -> None:
         assert b.traversal_text() == "off: no udp:// link in mesh.listen or mesh.peers"
     finally:
         await stop_all([b])
+
+
+async def test_mesh_addresses_are_never_endpoints() -> None:
+    """A TUN node's meshgate0 address is one of its interface addresses: a direct link to it
+    would run inside the mesh (found by tests/system/test_tun_mesh.py: the links collapsed)."""
+    nodes = await _line()
+    a, _b, c = nodes
+    try:
+        assert a.traversal is not None and c.traversal is not None
+        a.traversal._local_cache = (a.loop.time(), ["10.9.0.1", "10.9.0.77", "192.0.2.55"])
+        eps = [ep for _kind, ep in a.traversal.endpoints()]
+        assert ("192.0.2.55", a.traversal.port) in eps
+        assert all(not h.startswith("10.9.0.") for h, _ in eps)  # own and other virtual IPs
+        # and a call that lists one: that endpoint is dropped, counted, never probed
+        call = encode_call([(1, ("10.9.0.1", 4000)), (2, ("192.0.2.9", 5))], True)
+        c.traversal.on_call(a.node_id, memoryview(call))
+        pair = c.traversal.pairs.get(a.node_id, create=False)
+        assert pair is not None and list(pair.candidates) == [("192.0.2.9", 5)]
+        assert c.traversal.stats.get("dropped_mesh_address", 0) == 1
+    finally:
+        await stop_all(nodes)
