@@ -6,7 +6,10 @@ mesh.peers, udp:// links. Each round builds it afresh.
 
 - `punch`: seconds from both nodes' links to R being up until A lists a direct link to B,
   with A sending to B from the first moment (traversal starts on relayed traffic);
-  `--punch-runs` runs, median.
+  `--punch-runs` runs, median. Beside it EasyTier's core (PyPI easytier-pyo3, no TUN) in the
+  same topology, `--easytier-runs` runs: seconds from A's first route to B (through R) until
+  that route costs 1; EasyTier punches in the background and learns its NAT type from STUN
+  servers, here bench/stun_server.py on R's two addresses (the namespaces have no way out).
 - `relayed` vs `direct` in alternating paired rounds (bench/common.Runner): the same SOCKS5
   client on A uploads `--mib` MiB to a target on B (published by B's [serve]) and ping-pongs
   64-byte messages; relayed = mesh.traversal off on A and B, direct = on, after the punch.
@@ -18,6 +21,7 @@ mesh.peers, udp:// links. Each round builds it afresh.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -34,6 +38,7 @@ from tests.system.nat_topology import B_PORT, NatTopology
 
 R_URL = "udp://198.51.100.2:7000"
 BULK, RR = 9001, 9002
+STUN = ["198.51.100.2:3478", "198.51.100.3:3478"]  # bench/stun_server.py on R, for EasyTier
 
 
 def _topology(workdir: Path, traversal: bool) -> NatTopology:
@@ -113,6 +118,69 @@ def measure(workdir: Path, traversal: bool, mib: int) -> dict[str, float]:
         topo.destroy()
 
 
+def et_node(spec: dict[str, object]) -> None:
+    """One EasyTier node (PyPI easytier-pyo3, no TUN), run inside a namespace: prints one JSON
+    line with the seconds from start until `watch` first had a route (through the relay) and
+    until that route cost 1 (direct), then idles until killed."""
+    import easytier_pyo3 as et
+
+    cfg = {
+        "instance_name": spec["name"], "hostname": spec["name"],
+        "network_identity": {"network_name": "bench", "network_secret": "bench-secret"},
+        "ipv4": f"{spec['ip']}/24", "listeners": spec.get("listen", []),
+        "peer": [{"uri": u} for u in spec.get("peers", [])],  # type: ignore[attr-defined]
+        "stun_servers": STUN, "tcp_stun_servers": [], "stun_servers_v6": [],
+        "flags": {"no_tun": True, "bind_device": False, "disable_upnp": True},
+    }
+    node = et.Node(cfg)
+    node.start()
+    t0 = time.monotonic()
+    seen = direct = None
+    while spec.get("watch") and time.monotonic() - t0 < 60 and direct is None:
+        for r in node.routes():
+            if r.get("hostname") == spec["watch"]:
+                if seen is None:
+                    seen = time.monotonic() - t0
+                if r.get("cost") == 1:
+                    direct = time.monotonic() - t0
+        time.sleep(0.02)
+    print(json.dumps({"seen": seen, "direct": direct, "version": et.version()}), flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def easytier_punch_once(workdir: Path) -> float:
+    """EasyTier in the same topology: it punches in the background (no traffic needed), its
+    NAT type from STUN servers on R (bench/stun_server.py; nothing leaves the namespaces)."""
+    topo = NatTopology(prefix=f"mge{uuid.uuid4().hex[:6]}", workdir=workdir)
+    topo.names = ("wan", "r", "n1", "n2", "a", "b")
+    topo.build()
+    topo.ip("r", "addr", "add", "198.51.100.3/24", "dev", "to_wan")
+    try:
+        topo.spawn("stun", "r", [sys.executable, "bench/stun_server.py", "198.51.100.2", "198.51.100.3"])
+        me = [sys.executable, "bench/traversal.py", "--et-node"]
+        topo.spawn("r", "r", [*me, json.dumps({"name": "r", "ip": "10.144.0.1", "listen": ["udp://0.0.0.0:11010"]})])
+        for host, ip, watch in (("a", "10.144.0.2", "b"), ("b", "10.144.0.3", "")):
+            spec = {"name": host, "ip": ip, "peers": ["udp://198.51.100.2:11010"], "watch": watch}
+            topo.spawn(host, host, [*me, json.dumps(spec)])
+        line: dict[str, float | None] = {}
+
+        def reported() -> bool:
+            for text in topo.log("a").splitlines():
+                if text.startswith("{"):
+                    line.update(json.loads(text))
+                    return True
+            return False
+
+        topo.wait(reported, 70, "EasyTier a's report")
+        seen, direct = line.get("seen"), line.get("direct")
+        if seen is None or direct is None:
+            raise RuntimeError(f"EasyTier found no direct path: {line}")
+        return direct - seen
+    finally:
+        topo.destroy()
+
+
 def client(what: str, arg: str) -> None:
     from bench.common import bulk_up, echo_rtt
 
@@ -128,10 +196,15 @@ def main() -> int:
     add_args(p)
     p.add_argument("--punch-runs", type=int, default=10)
     p.add_argument("--mib", type=int, default=64)
+    p.add_argument("--easytier-runs", type=int, default=10, help="0: no EasyTier row")
     p.add_argument("--client", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--et-node", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.client:
         client(*args.client)
+        return 0
+    if args.et_node:
+        et_node(json.loads(args.et_node))
         return 0
     if os.geteuid() != 0:
         print("bench/traversal.py needs root (network namespaces)", file=sys.stderr)
@@ -143,8 +216,19 @@ def main() -> int:
             run = work / f"punch{i}"
             run.mkdir()
             times.append(punch_once(run))
-        print(f"time to a direct link (port-restricted NATs, {len(times)} runs): median "
+        print(f"meshgate: time to a direct link (port-restricted NATs, {len(times)} runs): median "
               f"{statistics.median(times):.2f} s, min {min(times):.2f}, max {max(times):.2f}")
+        if args.easytier_runs and importlib.util.find_spec("easytier_pyo3") is None:
+            print("EasyTier: easytier-pyo3 is not installed (pip install easytier-pyo3); skipped")
+        elif args.easytier_runs:
+            et_times = []
+            for i in range(args.easytier_runs):
+                run = work / f"et{i}"
+                run.mkdir()
+                et_times.append(easytier_punch_once(run))
+            print(f"EasyTier: time to a direct link, same topology ({len(et_times)} runs; from the"
+                  f" relayed route's first sight, punching in the background): median"
+                  f" {statistics.median(et_times):.2f} s, min {min(et_times):.2f}, max {max(et_times):.2f}")
         count = iter(range(1000))
 
         def variant(traversal: bool):  # type: ignore[no-untyped-def]
