@@ -244,12 +244,13 @@ class Pipeline:
         """A reload's `dns.upstreams` and `[[dns.route]]`: questions asked from now on go to the
         new ones and the cache (answers the old ones gave) is emptied. Exchanges already running
         finish on the old upstreams, which close once the longest of them could have timed out."""
+        loop = asyncio.get_running_loop()  # first: nothing is swapped if there is none
         old = [up for group in self.routes.groups() for up in group.upstreams]
         grace = self.timeout * max(len(g.upstreams) for g in self.routes.groups()) + 1
         self._use_upstreams(*configured_upstreams(config, self.upstream_route))
         self.cache.clear()
         self._retired.extend(old)
-        asyncio.get_running_loop().call_later(grace, self._close_retired, old)
+        loop.call_later(grace, self._close_retired, old)
 
     def _close_retired(self, old: list[Upstream]) -> None:
         for up in old:
