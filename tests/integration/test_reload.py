@@ -299,9 +299,11 @@ enable = false
 """
 
 
-def portal_toml(tmp: Path, peer: str, upstream: str, *, exit_nodes: str = "", fallback: bool = False,
-                route: str = "", blocklist: str = "", per_source: int = 0, policy: str = "least-hop") -> str:
+def portal_toml(tmp: Path, peers: tuple[str, ...], upstream: str, *, exit_nodes: str = "",
+                fallback: bool = False, route: str = "", blocklist: str = "", per_source: int = 0,
+                policy: str = "least-hop") -> str:
     """p: the portal (SOCKS5, HTTP proxy with its PAC file, a udp DNS listener), peer of e."""
+    quoted = ", ".join(f'"{u}"' for u in peers)
     extra = f"socks5_max_clients_per_source = {per_source}\n" if per_source else ""
     extra += f'[[dns.route]]\nsuffix = "corp.test"\nupstreams = ["{route}"]\n' if route else ""
     extra += f'[dns.blocklist]\nlists = ["{blocklist}"]\n' if blocklist else ""
@@ -312,7 +314,7 @@ secret = "reload-offers-secret"
 ipv4 = "10.144.6.1/24"
 state_dir = "{tmp / 'p'}"
 [mesh]
-peers = ["{peer}"]
+peers = [{quoted}]
 policy = "{policy}"
 exit_nodes = [{exit_nodes}]
 direct_fallback = {str(fallback).lower()}
@@ -393,9 +395,9 @@ async def answer(n: Node, name: str) -> str:
 
 async def test_offers_exits_dns_and_limits_change_during_a_mesh_transfer(tmp_path: Path) -> None:
     """A 32 MiB upload from p's portal through the mesh to a sink behind e's proxy CIDR runs while
-    e changes its proxy CIDRs and becomes an exit, and p changes direct_fallback, exit_nodes, its
-    DNS upstreams, [[dns.route]], [dns.blocklist] and the per-source cap: each seen at the portal
-    (SOCKS5, the PAC file) or p's DNS listener; the upload finishes byte-identical."""
+    e changes its proxy CIDRs and becomes an exit, and p adds a peer and changes direct_fallback,
+    exit_nodes, its DNS upstreams, [[dns.route]], [dns.blocklist] and the per-source cap: each seen
+    at the portal (SOCKS5, the PAC file) or p's DNS listener; the upload finishes byte-identical."""
     from tests.helpers import async_wait_until
     from tests.integration.test_dns_split import TagAuthority
 
@@ -408,13 +410,19 @@ async def test_offers_exits_dns_and_limits_change_during_a_mesh_transfer(tmp_pat
     epath.write_text(egress_toml(tmp_path, ("127.0.0.0/24", "127.0.1.0/24"), exit_node=False))
     e = Node(load(epath), config_path=str(epath))
     await e.start()
+    fpath = tmp_path / "f.toml"  # a node p is told about by a reload, mid-transfer
+    fpath.write_text(mesh_toml(tmp_path, "f", "10.144.6.3/24", listen='"tcp://127.0.0.1:0"')
+                     .replace('"reload-mesh', '"reload-offers'))
+    f = Node(load(fpath))
+    await f.start()
     p: Node | None = None
     transfer: asyncio.Task[str] | None = None
     resume = asyncio.Event()
     payload = os.urandom(TOTAL)
     try:
-        assert e.mesh is not None
-        peer = str(e.mesh.listen_addrs[0])
+        assert e.mesh is not None and f.mesh is not None
+        peer = (str(e.mesh.listen_addrs[0]),)
+        both = (*peer, str(f.mesh.listen_addrs[0]))
 
         def ptoml(**kw: Any) -> str:
             return portal_toml(tmp_path, peer, one.url, **kw)
@@ -472,19 +480,24 @@ async def test_offers_exits_dns_and_limits_change_during_a_mesh_transfer(tmp_pat
         assert not res.applied and res.restart == ("mesh.policy",), res
         assert await answer(p, "fresh.example.test.") == "192.0.2.11"
 
-        # p: direct fallback on, new upstreams, a route and a blocklist
-        ppath.write_text(portal_toml(tmp_path, peer, two.url, fallback=True, route=corp.url,
+        # p: a peer added, direct fallback on, new upstreams, a route and a blocklist
+        ppath.write_text(portal_toml(tmp_path, both, two.url, fallback=True, route=corp.url,
                                      blocklist=str(block)))
         res = p.reload()
         assert res.applied and set(res.changed) == {
-            "mesh.direct_fallback", "dns.upstreams", "dns.routes", "dns.blocklist.lists"}, res
+            "mesh.peers", "mesh.direct_fallback", "dns.upstreams", "dns.routes", "dns.blocklist.lists"}, res
+        # the added peer: linked, and its name answered by p's DNS
+        fid = f.mesh.node_id
+        await async_wait_until(lambda: fid in pm.links, 15, "p to link to f")
+        await async_wait_until(lambda: "f" in pm.name_table(), 15, "f's record at p")
+        assert await answer(p, "f.mesh.internal.") == "10.144.6.3"
         assert await via_portal(p, "127.0.1.1", port1) == hello  # no route: from p's host now
         assert await answer(p, "www.example.test.") == "192.0.2.22"  # the cache went with `one`
         assert await answer(p, "x.corp.test.") == "198.51.100.1"
         assert await answer(p, "blocked.test.") == "NXDOMAIN"
 
         # p: e as its exit (auto): names leave there, and loopback beyond e's CIDRs is refused there
-        ppath.write_text(portal_toml(tmp_path, peer, two.url, fallback=True, route=corp.url,
+        ppath.write_text(portal_toml(tmp_path, both, two.url, fallback=True, route=corp.url,
                                      blocklist=str(block), exit_nodes='"auto"'))
         res = p.reload()
         assert res.applied and res.changed == ("mesh.exit_nodes",), res
@@ -493,13 +506,13 @@ async def test_offers_exits_dns_and_limits_change_during_a_mesh_transfer(tmp_pat
         assert 'return "DIRECT"' not in await pac(p)  # everything through the portal now
 
         # p: one connection per source (the upload holds it) for new ones, then back
-        ppath.write_text(portal_toml(tmp_path, peer, two.url, fallback=True, route=corp.url,
+        ppath.write_text(portal_toml(tmp_path, both, two.url, fallback=True, route=corp.url,
                                      blocklist=str(block), exit_nodes='"auto"', per_source=1))
         res = p.reload()
         assert res.applied and res.changed == ("limits.socks5_max_clients_per_source",), res
         with pytest.raises((ProxyError, OSError)):
             await via_portal(p, "127.0.0.1", port)
-        ppath.write_text(portal_toml(tmp_path, peer, two.url, fallback=True, route=corp.url,
+        ppath.write_text(portal_toml(tmp_path, both, two.url, fallback=True, route=corp.url,
                                      blocklist=str(block), exit_nodes='"auto"'))
         assert p.reload().applied
         assert await via_portal(p, "127.0.0.1", port) == hello
@@ -512,6 +525,7 @@ async def test_offers_exits_dns_and_limits_change_during_a_mesh_transfer(tmp_pat
         finally:
             if p is not None:
                 await p.stop()
+            await f.stop()
             await e.stop()
             for server, _ in servers:
                 server.close()
