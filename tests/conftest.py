@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -7,6 +8,13 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Nodes a test starts without a state_dir of their own use the default, ~/.local/state/meshgate:
+# under the real HOME that is the developer's own node's directory (a running node holds its
+# lock, and 52 tests failed with "in use by another running meshgate node"), so the whole run,
+# and every `meshgate run` it starts, gets a HOME of its own.
+_home = tempfile.mkdtemp(prefix="meshgate-test-home-")
+os.environ["HOME"] = _home
 
 # Property tests check behaviour, not speed: no per-example deadline (hypothesis' default 200 ms
 # fails examples that a busy or slower CI machine merely ran late, as DeadlineExceeded or Flaky),
