@@ -288,6 +288,9 @@ class LimitsConfig:
     # IP TTL of the first probe round (opens our NAT, dies before the far one); 64: every round full
     traversal_first_ttl: int = 2
     mesh_dead_after: float = 5.0  # a link silent this long is closed and its routes withdrawn
+    # a link holding more than mesh_link_buffer that sends nothing on for this long is closed: its
+    # peer stopped reading (a byte-pipe link; udp:// links fail on their own retransmission limits)
+    mesh_link_stall: float = 10.0
     mesh_route_expiry: float = 60.0  # records of unreachable nodes are forgotten after this
     mesh_link_buffer: int = 4194304  # bytes queued on a link above which datagrams are dropped
     udp_link_mtu: int = 1500  # path MTU under udp:// links: UDP payload <= 1472 B (IPv4), 1452 (IPv6)

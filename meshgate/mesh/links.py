@@ -81,6 +81,7 @@ class LinkBase:
         # 0: configured or accepted; traversal.LOCAL / REFLEXIVE: made by NAT traversal
         self.traversal_kind = 0
         self.gone_seen = False  # the owner has handled this link's loss (once)
+        self.stall = (0, 0.0)  # (drained bytes, since when) while it holds more than the owner allows
 
     # ------------------------------------------------------------ for the carrier
 
@@ -146,6 +147,11 @@ class LinkBase:
     def buffered(self) -> int:
         """Bytes accepted for sending and not yet gone (or, on UDP, not yet acknowledged)."""
         raise NotImplementedError
+
+    def drained(self) -> int | None:
+        """Bytes that left this process towards the peer so far (written through the
+        transport's buffer), or None where the link kind checks progress itself (udp://)."""
+        return None
 
     def undelivered(self) -> int:
         """Bytes of reliable frames (streams, routes) this link took and has not delivered as
@@ -255,6 +261,10 @@ class Link(LinkBase, asyncio.Protocol):
     def buffered(self) -> int:
         t = self.transport
         return self.codec.pending_bytes() + (t.get_write_buffer_size() if t is not None else 0)
+
+    def drained(self) -> int | None:
+        t = self.transport
+        return self.bytes_out - (t.get_write_buffer_size() if t is not None else 0)
 
     def drop_counts(self) -> tuple[int, int, int]:
         c = self.codec

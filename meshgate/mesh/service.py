@@ -103,6 +103,9 @@ _link_bytes = REGISTRY.counter(
     "meshgate_mesh_link_bytes_total", "Bytes on mesh links", ("peer", "direction")
 )
 _datagrams = REGISTRY.counter("meshgate_mesh_datagrams_total", "Mesh datagrams", ("result",))
+_links_closed = REGISTRY.counter(
+    "meshgate_mesh_links_closed_total", "Mesh links this node closed on its own", ("reason",)
+)
 _forwarded = REGISTRY.counter("meshgate_mesh_frames_forwarded_total", "Frames relayed for other nodes")
 _e2e_dropped = REGISTRY.counter(
     "meshgate_mesh_e2e_dropped_total", "End-to-end frames and session set-ups dropped", ("reason",)
@@ -634,6 +637,11 @@ class MeshService:
                     self._forget_link(link)  # before abort: what it still held is counted
                     link.abort()
                     continue
+                if self._stalled(link, now):
+                    links.remove(link)
+                    self._forget_link(link)
+                    link.abort()
+                    continue
                 self._send_ping(link)
                 self._report_counters(link)
         self.table.expire(now)
@@ -648,6 +656,26 @@ class MeshService:
         self._sync()
         if self._running:
             self._tick_handle = self.loop.call_later(self.ping_interval, self._tick)
+
+    def _stalled(self, link: LinkBase, now: float) -> bool:
+        """A link whose peer stopped reading: it holds more than limits.mesh_link_buffer and
+        nothing left it for limits.mesh_link_stall. Closed, so what was queued for that peer
+        (stream frames up to their windows, relayed ones) is freed, not held for ever."""
+        drained = link.drained()
+        if drained is None or link.buffered() <= self.link_buffer:
+            link.stall = (0, 0.0)
+            return False
+        mark, since = link.stall
+        if drained != mark or not since:
+            link.stall = (drained, now)
+            return False
+        if now - since < self.config.limits.mesh_link_stall:
+            return False
+        self.stats["link_not_reading"] += 1
+        _links_closed.labels("not_reading").inc()
+        _rlog.warning(f"stall:{link.url}", "mesh link %s: its peer has read nothing for %.0fs with %d bytes"
+                      " queued (limits.mesh_link_stall); closing", link.url, now - since, link.buffered())
+        return True
 
     def _forget_link(self, link: LinkBase) -> None:
         assert link.peer is not None

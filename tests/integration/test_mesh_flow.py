@@ -80,3 +80,50 @@ async def test_stalled_reader_bounds_relay_memory(kind: str) -> None:
     finally:
         srv.close()
         await stop_all(nodes)
+
+
+async def test_a_peer_that_stops_reading_its_link_is_cut_off() -> None:
+    """b opens 48 streams to a firehose behind a, then stops reading its TCP link: a's queue for
+    b grows to the streams' windows and no further, and after limits.mesh_link_stall with
+    nothing leaving, a closes the link (counted) and frees it. Without this the link stayed
+    up (b's pings still arrive) holding everything queued for b."""
+    window = 1 << 20  # 48 streams' windows: more than the kernel's socket buffers take
+    limits = {"stream_window": window, "mesh_link_buffer": 4 << 20, "mesh_link_stall": 1.5}
+    a = await start_node(node_config("a", listen=["tcp://127.0.0.1:0"], limits=limits))
+    b = await start_node(node_config("b", peers=[a.listen_addrs[0]], limits=limits))
+    nodes = [a, b]
+    block = b"y" * 65536
+
+    async def firehose(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                w.write(block)
+                await w.drain()
+        except (ConnectionError, OSError):
+            pass
+
+    srv = await asyncio.start_server(firehose, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        await async_wait_until(lambda: converged(nodes), 10, "a - b")
+        b_link = b.links[a.node_id][0]
+        a_link = a.links[b.node_id][0]
+        streams = await asyncio.gather(*(b.open_stream(a.node_id, "127.0.0.1", port, Collector)
+                                         for _ in range(48)))
+        b_link.transport.pause_reading()  # type: ignore[attr-defined]
+        peak = 0
+
+        def cut() -> bool:
+            nonlocal peak
+            peak = max(peak, a_link.buffered())
+            return a.stats["link_not_reading"] >= 1
+
+        await async_wait_until(cut, 15, "a closing the link b stopped reading")
+        assert b.node_id not in a.links or a_link not in a.links[b.node_id]
+        # what a held for b never grew past what the streams' windows allow (and the kernel)
+        assert 4 << 20 < peak <= 48 * window + 48 * 65536, peak
+        for transport, _ in streams:
+            transport.close()
+    finally:
+        srv.close()
+        await stop_all(nodes)

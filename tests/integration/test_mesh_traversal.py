@@ -66,11 +66,13 @@ async def test_relayed_traffic_punches_a_direct_link_and_takes_it() -> None:
         assert await _sha(a, c, port, data) == hashlib.sha256(data).digest()
         await async_wait_until(lambda: _direct(a, c), 10, "a direct link a - c by traversal")
 
-        def one_hop() -> bool:
-            route = a.lookup(ipaddress.ip_address("10.9.0.3"))
-            return route is not None and route.hops == 1 and route.next_hop == c.node_id
+        def one_hop() -> bool:  # both ways: a stream keeps the link its first frame took, each end
+            there = a.lookup(ipaddress.ip_address("10.9.0.3"))
+            back = c.lookup(ipaddress.ip_address("10.9.0.1"))
+            return (there is not None and there.hops == 1 and there.next_hop == c.node_id
+                    and back is not None and back.hops == 1)
 
-        await async_wait_until(one_hop, 10, "a's route to c over the direct link")
+        await async_wait_until(one_hop, 10, "a's and c's routes over the direct link")
         paths = {p["name"]: p["path"] for p in a.peers()}
         assert paths["b"] == "configured" and paths["c"].startswith("direct (traversal, ")
         assert a.traversal is not None and a.traversal.stats.get("succeeded", 0) >= 1

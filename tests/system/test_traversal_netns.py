@@ -110,7 +110,8 @@ def test_port_restricted_nats_punch_and_traffic_leaves_the_relay(nat_topo: NatTo
     print(f"direct link {took:.2f}s after the first relayed stream")
     # a stream that starts before the routes take the link stays on the relay (pinned: moving
     # it would reorder its bytes), so the big one waits for the one-hop route
-    topo.wait(lambda: _hops(topo, "a", "b") == 1, 10, "a's route to b over the direct link")
+    topo.wait(lambda: _hops(topo, "a", "b") == 1 and _hops(topo, "b", "a") == 1, 10,
+              "a's and b's routes over the direct link")
     before = _relay_bytes(topo)
     out = _send(topo, "a", "10.144.0.3", 100)
     assert out["ok"] and out["match"], (out, topo.log("a"), topo.log("b"))
