@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -211,24 +212,21 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="mg-trav-") as tmp:
         work = Path(tmp)
-        times = []
-        for i in range(args.punch_runs):
-            run = work / f"punch{i}"
-            run.mkdir()
-            times.append(punch_once(run))
-        print(f"meshgate: time to a direct link (port-restricted NATs, {len(times)} runs): median "
-              f"{statistics.median(times):.2f} s, min {min(times):.2f}, max {max(times):.2f}")
+        def runs(what: str, n: int, once: Callable[[Path], float]) -> None:
+            times = []
+            for i in range(n):
+                run = work / f"{what.split(':')[0]}{i}"
+                run.mkdir()
+                times.append(once(run))
+            print(f"{what} ({len(times)} runs): median {statistics.median(times):.2f} s,"
+                  f" min {min(times):.2f}, max {max(times):.2f}")
+
+        runs("meshgate: time to a direct link, port-restricted NATs", args.punch_runs, punch_once)
         if args.easytier_runs and importlib.util.find_spec("easytier_pyo3") is None:
             print("EasyTier: easytier-pyo3 is not installed (pip install easytier-pyo3); skipped")
         elif args.easytier_runs:
-            et_times = []
-            for i in range(args.easytier_runs):
-                run = work / f"et{i}"
-                run.mkdir()
-                et_times.append(easytier_punch_once(run))
-            print(f"EasyTier: time to a direct link, same topology ({len(et_times)} runs; from the"
-                  f" relayed route's first sight, punching in the background): median"
-                  f" {statistics.median(et_times):.2f} s, min {min(et_times):.2f}, max {max(et_times):.2f}")
+            runs("EasyTier: time to a direct link, same topology, from the relayed route's first"
+                 " sight, punching in the background", args.easytier_runs, easytier_punch_once)
         count = iter(range(1000))
 
         def variant(traversal: bool):  # type: ignore[no-untyped-def]

@@ -7,6 +7,7 @@ no exit policy (the policy is tested through the node, tests/integration/test_po
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import secrets
 from collections.abc import Iterable
@@ -153,3 +154,27 @@ async def write_all(proto: Collector, data: bytes, chunk: int = 256 * 1024) -> N
     for i in range(0, len(data), chunk):
         await proto.writable.wait()
         proto.transport.write(view[i : i + chunk])
+
+
+async def sha_server() -> tuple[asyncio.Server, int]:
+    """A loopback TCP server that answers each connection's sha256 once it ends; its port."""
+
+    async def echo_sha(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        h = hashlib.sha256()
+        while chunk := await r.read(1 << 16):
+            h.update(chunk)
+        w.write(h.digest())
+        await w.drain()
+        w.close()
+
+    srv = await asyncio.start_server(echo_sha, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+async def stream_sha(src: MeshService, dst: int, port: int, data: bytes) -> bytes:
+    """Send `data` over a mesh stream from `src` to a sha_server behind node `dst`; its digest."""
+    transport, proto = await src.open_stream(dst, "127.0.0.1", port, Collector)
+    assert isinstance(proto, Collector)
+    await write_all(proto, data)
+    transport.write_eof()  # type: ignore[attr-defined]
+    return await asyncio.wait_for(proto.done, 60)

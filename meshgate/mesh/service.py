@@ -948,18 +948,20 @@ class MeshService:
             link.send_frame(otype, outer, DEFAULT_HOP_LIMIT, self.node_id, dst, obody)
         return True
 
+    def _next_hop(self, dst: int, flags: int) -> int | None:
+        p = (self.table.lat_paths if flags & FLAG_LATENCY else self.table.hop_paths).get(dst)
+        return p.next_hop if p is not None and p.hops else None
+
     def _route_link(self, dst: int, flags: int) -> LinkBase | None:
-        paths = self.table.lat_paths if flags & FLAG_LATENCY else self.table.hop_paths
-        p = paths.get(dst)
-        if p is None and (self.table.dirty or self.table.unchecked):
+        nh = self._next_hop(dst, flags)
+        if nh is None and (self.table.dirty or self.table.unchecked):
             # a build is being held back (records still arriving), but someone needs
             # this route now (e.g. the reply to an OPEN from a node we just heard of)
             self._build(self.loop.time())
-            paths = self.table.lat_paths if flags & FLAG_LATENCY else self.table.hop_paths
-            p = paths.get(dst)
-        if p is None or p.hops == 0:
+            nh = self._next_hop(dst, flags)
+        if nh is None:
             return None
-        link = self._best_link(p.next_hop)
+        link = self._best_link(nh)
         if link is None and self._originate_timer is not None:
             # the next hop's last link just went (a direct link closed, a neighbour lost) and
             # the own record still names it: re-originate and rebuild now, so this frame takes
@@ -967,11 +969,8 @@ class MeshService:
             self._originate_timer.cancel()
             self._originate()
             self._build(self.loop.time())
-            paths = self.table.lat_paths if flags & FLAG_LATENCY else self.table.hop_paths
-            p = paths.get(dst)
-            if p is None or p.hops == 0:
-                return None
-            link = self._best_link(p.next_hop)
+            nh = self._next_hop(dst, flags)
+            link = self._best_link(nh) if nh is not None else None
         return link
 
     def send(

@@ -18,7 +18,7 @@ from meshgate.mesh.service import MeshService
 from meshgate.mesh.traversal import PING, encode_call, probe_key, seal_probe
 from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
-from tests.mesh_testing import Collector, converged, node_config, start_node, stop_all, write_all
+from tests.mesh_testing import converged, node_config, sha_server, start_node, stop_all, stream_sha
 
 
 async def _line(traversal_a: bool = True, traversal_c: bool = True, **mesh: object) -> list[MeshService]:
@@ -35,30 +35,13 @@ def _direct(x: MeshService, y: MeshService) -> bool:
 
 
 async def _sha(src: MeshService, dst: MeshService, port: int, data: bytes) -> bytes:
-    transport, proto = await src.open_stream(dst.node_id, "127.0.0.1", port, Collector)
-    assert isinstance(proto, Collector)
-    await write_all(proto, data)
-    transport.write_eof()  # type: ignore[attr-defined]
-    return await asyncio.wait_for(proto.done, 60)
-
-
-async def _sha_server() -> tuple[asyncio.Server, int]:
-    async def echo_sha(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        h = hashlib.sha256()
-        while chunk := await r.read(1 << 16):
-            h.update(chunk)
-        w.write(h.digest())
-        await w.drain()
-        w.close()
-
-    srv = await asyncio.start_server(echo_sha, "127.0.0.1", 0)
-    return srv, srv.sockets[0].getsockname()[1]
+    return await stream_sha(src, dst.node_id, port, data)
 
 
 async def test_relayed_traffic_punches_a_direct_link_and_takes_it() -> None:
     nodes = await _line()
     a, _b, c = nodes
-    srv, port = await _sha_server()
+    srv, port = await sha_server()
     try:
         assert not _direct(a, c)
         # the first stream goes through b and asks for a direct path
@@ -95,7 +78,7 @@ async def test_a_stream_open_when_the_direct_link_comes_keeps_the_relay_path() -
     the new direct link: the stream stays on the relay, sha256 intact."""
     nodes = await _line()
     a, _b, c = nodes
-    srv, port = await _sha_server()
+    srv, port = await sha_server()
     try:
         data = os.urandom(24 << 20)
         task = asyncio.ensure_future(_sha(a, c, port, data))
@@ -114,7 +97,7 @@ async def test_a_stream_open_when_the_direct_link_comes_keeps_the_relay_path() -
 async def test_traversal_off_never_probes() -> None:
     nodes = await _line(traversal_a=False)
     a, b, c = nodes
-    srv, port = await _sha_server()
+    srv, port = await sha_server()
     try:
         assert a.traversal is None and "mesh.traversal = false" in a.status()["traversal"]
         assert b.traversal is not None and c.traversal is not None
@@ -203,7 +186,7 @@ async def test_forged_probes_and_calls_are_dropped_and_counted() -> None:
 async def test_an_idle_direct_link_closes_and_the_relay_carries_on() -> None:
     nodes = await _line(traversal_idle=1.5)
     a, _b, c = nodes
-    srv, port = await _sha_server()
+    srv, port = await sha_server()
     try:
         data = os.urandom(1 << 20)
         assert await _sha(a, c, port, data) == hashlib.sha256(data).digest()
@@ -225,7 +208,7 @@ async def test_no_punching_for_a_node_the_access_rules_keep_out() -> None:
 
     nodes = await _line()
     a, _b, c = nodes
-    srv, port = await _sha_server()
+    srv, port = await sha_server()
     try:
         rules = from_dict({"acl": [{"from": ["node:b"], "to": ["self:22"]}]}).acl
         acl = Acl(rules)

@@ -22,7 +22,15 @@ from meshgate.mesh.service import MeshService
 from meshgate.mesh.udp_session import INIT_MIN, KIND_DATA, KIND_INIT
 from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
-from tests.mesh_testing import Collector, converged, mesh_node, node_config, start_node, stop_all, write_all
+from tests.mesh_testing import (
+    converged,
+    mesh_node,
+    node_config,
+    sha_server,
+    start_node,
+    stop_all,
+    stream_sha,
+)
 
 
 def _kernel_gso() -> bool:
@@ -37,27 +45,6 @@ def _udp_links(node: MeshService) -> list[UdpLink]:
     return [link for links in node.links.values() for link in links if isinstance(link, UdpLink)]
 
 
-async def _sha_server() -> tuple[asyncio.Server, int]:
-    async def echo_sha(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        h = hashlib.sha256()
-        while chunk := await r.read(1 << 16):
-            h.update(chunk)
-        w.write(h.digest())
-        await w.drain()
-        w.close()
-
-    srv = await asyncio.start_server(echo_sha, "127.0.0.1", 0)
-    return srv, srv.sockets[0].getsockname()[1]
-
-
-async def _stream_sha(src: MeshService, dst: int, port: int, data: bytes) -> bytes:
-    transport, proto = await src.open_stream(dst, "127.0.0.1", port, Collector)
-    assert isinstance(proto, Collector)
-    await write_all(proto, data)
-    transport.write_eof()  # type: ignore[attr-defined]
-    return await asyncio.wait_for(proto.done, 60)
-
-
 @pytest.mark.parametrize("gso", [True, False], ids=["gso", "per-packet"])
 async def test_udp_line_stream_datagrams_and_gso(gso: bool) -> None:
     limits = {"udp_link_gso": gso}
@@ -67,14 +54,14 @@ async def test_udp_line_stream_datagrams_and_gso(gso: bool) -> None:
     a = await start_node(node_config("a", "10.9.0.1/24", peers=[url], limits=limits))
     c = await start_node(node_config("c", "10.9.0.3/24", peers=[url], limits=limits))
     nodes = [a, b, c]
-    srv, port = await _sha_server()
+    srv, port = await sha_server()
     try:
         await async_wait_until(lambda: converged(nodes), 15, "routes over udp:// links")
         route = a.lookup(ipaddress.ip_address("10.9.0.3"))
         assert route is not None and route.next_hop == b.node_id and route.hops == 2
         assert [p["url"].startswith("udp://127.0.0.1:") for p in b.peers()] == [True, True]
         data = os.urandom(16 << 20)
-        assert await _stream_sha(a, c.node_id, port, data) == hashlib.sha256(data).digest()
+        assert await stream_sha(a, c.node_id, port, data) == hashlib.sha256(data).digest()
 
         seen: list[bytes] = []
         c.on_datagram(3, lambda src, p: seen.append(p))
@@ -135,10 +122,10 @@ async def test_udp_link_comes_back_after_the_peer_restarts() -> None:
         b = await start_node(again, b.identity)
         assert b.node_id == old_id
         await async_wait_until(lambda: converged([a, b]), 15, "link re-established")
-        srv, sport = await _sha_server()
+        srv, sport = await sha_server()
         try:
             data = os.urandom(1 << 20)
-            assert await _stream_sha(a, b.node_id, sport, data) == hashlib.sha256(data).digest()
+            assert await stream_sha(a, b.node_id, sport, data) == hashlib.sha256(data).digest()
         finally:
             srv.close()
         # the restarted b holds one session for a: the old one ended when b stopped
@@ -288,7 +275,7 @@ async def test_roaming_peer_keeps_its_session_and_forgeries_move_nothing(
     stray = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     stray.setblocking(False)
     stray.bind(("127.0.0.1", 0))
-    srv, sport = await _sha_server()
+    srv, sport = await sha_server()
     try:
         await async_wait_until(lambda: converged([a, b]), 10, "first link")
         (la,) = _udp_links(a)
@@ -333,7 +320,7 @@ async def test_roaming_peer_keeps_its_session_and_forgeries_move_nothing(
         assert any(moved in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
         assert listener.by_addr == {new_addr: lb} and listener.by_id == {lb.local_id: lb}
         data = os.urandom(2 << 20)
-        assert await _stream_sha(a, b.node_id, sport, data) == hashlib.sha256(data).digest()
+        assert await stream_sha(a, b.node_id, sport, data) == hashlib.sha256(data).digest()
         # the same sessions, no new handshake, still hearing each other a dead timer later
         assert _udp_links(a) == [la] and _udp_links(b) == [lb]
         assert (a.stats["handshake_ok"], b.stats["handshake_ok"]) == handshakes == (1, 1)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tests.system.tun_topology import REPO, Topology, sh
 
@@ -33,15 +33,9 @@ class NatTopology(Topology):
     names: tuple[str, ...] = ("wan", "r", "n1", "n2", "a", "a2", "b")
     nat1: str = "restricted"  # "restricted" | "bare" (no drop rule) | "random" | "full_cone"
     nat2: str = "restricted"
-    configs: dict[str, str] = field(default_factory=dict)
 
     def build(self) -> None:
-        for role in self.names:
-            sh("ip", "netns", "del", self.ns(role), check=False)
-        for role in self.names:
-            sh("ip", "netns", "add", self.ns(role))
-            self.created.append(self.ns(role))
-            self.ip(role, "link", "set", "lo", "up")
+        self.make_namespaces()
         self.veth("wan", "r", "198.51.100.1/24", "198.51.100.2/24")
         self.veth("wan", "n1", "203.0.113.1/24", "203.0.113.2/24")
         self.veth("wan", "n2", "192.0.2.1/24", "192.0.2.2/24")

@@ -49,13 +49,17 @@ class Topology:
         return f"{self.prefix}-{role}"
 
     # ------------------------------------------------------------------ build
-    def build(self) -> None:
+    def make_namespaces(self) -> None:
+        """One namespace per role (leftovers of an aborted run removed first), loopback up."""
         for role in self.names:
-            sh("ip", "netns", "del", self.ns(role), check=False)  # leftovers of an aborted run
+            sh("ip", "netns", "del", self.ns(role), check=False)
         for role in self.names:
             sh("ip", "netns", "add", self.ns(role))
             self.created.append(self.ns(role))
             self.ip(role, "link", "set", "lo", "up")
+
+    def build(self) -> None:
+        self.make_namespaces()
         self.veth("a", "b", "172.31.1.1/24", "172.31.1.2/24")
         self.veth("b", "c", "172.31.2.2/24", "172.31.2.3/24")
         self.veth("c", "lan", "10.1.2.1/24", "10.1.2.10/24", "fd12::1/64", "fd12::10/64")
