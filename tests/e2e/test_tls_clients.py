@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import os
 import shlex
@@ -45,6 +46,7 @@ class Node:
     state: Path
     doh_port: int
     http_port: int
+    page_hits: list[bytes]  # request heads the page server answered
 
     @property
     def ca(self) -> Path:
@@ -55,9 +57,9 @@ class Node:
         return f"https://127.0.0.1:{self.doh_port}/dns-query"
 
 
-async def _serve_page(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _serve_page(hits: list[bytes], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
-        await reader.readuntil(b"\r\n\r\n")
+        hits.append(await reader.readuntil(b"\r\n\r\n"))
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nConnection: close\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(PAGE), PAGE))
         await writer.drain()
@@ -69,7 +71,8 @@ async def _serve_page(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
 @pytest.fixture
 async def node(tmp_path: Path) -> AsyncIterator[Node]:
-    page = await asyncio.start_server(_serve_page, "127.0.0.1", 0)
+    hits: list[bytes] = []
+    page = await asyncio.start_server(functools.partial(_serve_page, hits), "127.0.0.1", 0)
     http_port = page.sockets[0].getsockname()[1]
     state = tmp_path / "state"
     cfg = from_dict({
@@ -81,7 +84,7 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
     svc = service.DnsService(cfg, service.Pipeline(cfg))
     await svc.start()
     try:
-        yield Node(svc, state, svc.listeners[0].port, http_port)
+        yield Node(svc, state, svc.listeners[0].port, http_port, hits)
     finally:
         await svc.stop()
         page.close()
@@ -266,3 +269,76 @@ async def test_tls_show_reads_a_mesh_config_without_its_secret(tmp_path: Path) -
     rc, out, err = await _run(*_meshgate("tls", "show", "-c", str(cfg)), env=env)
     assert rc == 0, err
     assert "(edge)" in out and str(tmp_path / "st" / "ca.crt") in out
+
+
+FIREFOX_DOH_PREFS: dict[str, object] = {
+    "network.trr.mode": 3,  # DoH only: no fallback to the system resolver
+    "network.trr.confirmationNS": "skip",  # no confirmation lookup of a public name first
+    "network.trr.allow-rfc1918": True,  # our answer is a loopback address
+    "network.proxy.type": 0,
+    "browser.shell.checkDefaultBrowser": False,
+    "datareporting.policy.dataSubmissionEnabled": False,
+    "toolkit.telemetry.reportingpolicy.firstRun": False,
+    "app.update.auto": False,
+    "network.captive-portal-service.enabled": False,
+    "network.connectivity-service.enabled": False,
+    "browser.safebrowsing.malware.enabled": False,
+    "browser.safebrowsing.phishing.enabled": False,
+    "network.dns.disablePrefetch": True,
+}
+
+
+def _firefox_profile(home: Path, doh: str, certutil: str) -> Path:
+    """A profile where `meshgate tls trust` finds it (HOME/.mozilla/firefox/*, with an NSS
+    database), our DoH endpoint as its only resolver."""
+    profile = home / ".mozilla" / "firefox" / "test.default-release"
+    profile.mkdir(parents=True)
+    subprocess.run([certutil, "-N", "-d", f"sql:{profile}", "--empty-password"], check=True, timeout=60)
+    prefs = {**FIREFOX_DOH_PREFS, "network.trr.uri": doh}
+    lines = []
+    for key, value in prefs.items():
+        text = ("true" if value else "false") if isinstance(value, bool) else (
+            str(value) if isinstance(value, int) else f'"{value}"')
+        lines.append(f'user_pref("{key}", {text});')
+    (profile / "user.js").write_text("\n".join(lines) + "\n")
+    return profile
+
+
+async def test_firefox_resolves_a_mesh_name_through_our_doh(node: Node, tmp_path: Path) -> None:
+    """Headless Firefox with network.trr.mode = 3 and our DoH URI: a page by a name only our
+    DoH answers loads once `meshgate tls trust` put the CA into the profile, and not before."""
+    firefox, certutil = require_tool("firefox-esr"), require_tool("certutil")
+    url = f"http://web.mesh.internal:{node.http_port}/"
+
+    async def run_firefox(home: Path, profile: Path, shot: Path, timeout: float) -> str:
+        # --screenshot loads the page, waits for its load event, then exits; a page that does
+        # not load (a name that does not resolve) keeps it waiting: stopped after `timeout`
+        proc = await asyncio.create_subprocess_exec(
+            firefox, "--headless", "--no-remote", "--profile", str(profile), "--screenshot", str(shot), url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={"HOME": str(home)},
+            start_new_session=True,
+        )
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+        except TimeoutError:
+            os.killpg(proc.pid, 9)
+            out, _ = await proc.communicate()
+        return out.decode(errors="replace")
+
+    stats = node.svc.stats[node.svc.urls[0]]
+    untrusted = tmp_path / "untrusted"
+    p1 = _firefox_profile(untrusted, node.doh, certutil)
+    out = await run_firefox(untrusted, p1, tmp_path / "untrusted.png", 20)
+    # without the CA, Firefox refuses our DoH server's certificate: no answer, no page
+    assert node.page_hits == [], out[-2000:]
+
+    home = tmp_path / "home"
+    p2 = _firefox_profile(home, node.doh, certutil)
+    rc, out, err = await _run(*_meshgate("tls", "trust", "--state-dir", str(node.state)), env=_env(home))
+    assert rc == 0, out + err
+    before = stats.snapshot()
+    out = await run_firefox(home, p2, tmp_path / "trusted.png", 90)
+    assert len(node.page_hits) == 1 and node.page_hits[0].startswith(b"GET / HTTP/1.1"), (
+        node.page_hits, out[-2000:])
+    assert b"web.mesh.internal" in node.page_hits[0]  # the browser asked for it by that name
+    assert stats.snapshot() != before  # and the name went through our DoH listener
