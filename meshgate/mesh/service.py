@@ -112,6 +112,7 @@ _e2e_dropped = REGISTRY.counter(
 )
 
 OPEN_TIMEOUT = 10.0
+DRAIN_GIVE_UP = 1.0  # a stream moving paths waits this long for its peer to return its credit
 EXPIRY_CHECK_TICKS = 10  # ping intervals between checks for certificates that expired
 MIN_BUILD_INTERVAL = 0.05  # seconds between route builds while records keep changing
 ORIGINATE_DELAY = 0.05  # coalesce changes of the own record made within this time
@@ -229,6 +230,7 @@ class MeshService:
         # link made by traversal) or a second link to the same neighbour would let later bytes
         # overtake earlier ones still on the way: far node -> (sid, opened here) -> link
         self._pinned: dict[int, dict[tuple[int, bool], LinkBase]] = {}
+        self._stay: set[tuple[int, int, bool]] = set()  # streams whose peer did not help them move
         self._ticks = 0
         self._running = False
 
@@ -239,6 +241,7 @@ class MeshService:
         limits = self.config.limits
         self.mux = StreamMux(self.loop, self.send, limits.stream_window, limits.max_streams_per_peer)
         self.mux.on_open = self._on_open
+        self.mux.drain_gave_up = lambda st: self._stay.add((st.peer, st.sid, st.local_opener))
         urls = (*self.config.mesh.listen, *self.config.mesh.peers)
         if any(u.scheme == "udp" for u in urls) and limits.udp_link_mtu < 576:
             mtu = limits.udp_link_mtu
@@ -993,18 +996,31 @@ class MeshService:
         return True
 
     def _stream_link(self, dst: int, flags: int, head: bytes | bytearray | memoryview) -> LinkBase | None:
-        """The link a stream's frames take: the one its first frame took, while it is up
-        (`_pinned`: a new route or a second link to the same neighbour would let later bytes
-        overtake earlier ones), else the route there is now."""
+        """The link a stream's frames take: the one its earlier frames took, while it is up
+        and some of the stream's data is in flight (`_pinned`: a new route or a second link to
+        the same neighbour would let later bytes overtake earlier ones). When the route is
+        better elsewhere, the stream drains (MeshStream.drain) and then moves."""
         key = (SID.unpack_from(head)[0], bool(flags & FLAG_OPENER))
+        route = self._route_link(dst, flags)
         pins = self._pinned.get(dst)
         if pins is not None:
             link = pins.get(key)
             if link is not None:
                 if not link.gone_seen:
-                    return link
-                del pins[key]
-        link = self._route_link(dst, flags) or self._way_back(dst)
+                    if route is None or route is link or self.mux is None:
+                        return link
+                    stream = self.mux.streams.get((dst, key[0], key[1]))
+                    if stream is None or (dst, key[0], key[1]) in self._stay:
+                        return link
+                    if not stream.quiet:
+                        # a better path: hold the stream's new data until what it sent
+                        # arrived, then it moves (the frame in hand still goes the old way)
+                        stream.drain(DRAIN_GIVE_UP)
+                        return link
+                    self.stats["streams_moved"] += 1
+                else:
+                    del pins[key]
+        link = route or self._way_back(dst)
         if link is not None:
             if pins is None:
                 pins = self._pinned[dst] = {}
@@ -1071,6 +1087,7 @@ class MeshService:
                 del pins[key]
             if not pins:
                 del self._pinned[peer]
+        self._stay.intersection_update(streams)
 
     def _link_gone(self, link: LinkBase) -> None:
         """A link went. Frames it still held (not yet sent, or on udp:// not yet acknowledged)

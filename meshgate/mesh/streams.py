@@ -103,6 +103,10 @@ class MeshStream(asyncio.Transport):
         self._protocol: asyncio.BaseProtocol | None = None
         self.window = window
         self.send_credit = 0
+        self.credit_full = 0  # the credit the peer granted at first: all of it back = nothing in flight
+        # moving to another path (MeshService): hold new data until all sent is consumed
+        self.draining = False
+        self._drain_timer: asyncio.TimerHandle | None = None
         self.recv_allowed = window  # bytes the peer may still send before we grant more
         self._consumed = 0  # delivered since our last WINDOW grant
         self._send_buf = bytearray()
@@ -158,6 +162,40 @@ class MeshStream(asyncio.Transport):
         self._high, self._low = high, low
         self._check_pause()
 
+    @property
+    def quiet(self) -> bool:
+        """None of our data is in flight: the peer consumed all we sent (its whole credit is
+        back), so a frame sent on another path now cannot overtake any of ours."""
+        return self.send_credit >= self.credit_full
+
+    def drain(self, give_up_after: float) -> None:
+        """Hold new data until all we sent is consumed, and ask the peer to return its credit
+        now (a STREAM_WINDOW of 0: "grant what you consumed"), so the stream can move to a new
+        path without reordering. A peer that never answers (one from before this) leaves it
+        where it is after `give_up_after` seconds."""
+        if self.draining or self.closed or self.quiet:
+            return
+        self.draining = True
+        # the probe goes after the frame in hand (the one whose send decided to move): the
+        # peer's answer then covers every byte sent
+        self._mux.loop.call_soon(self._ask_credit)
+        self._drain_timer = self._mux.loop.call_later(give_up_after, self._drained, False)
+
+    def _ask_credit(self) -> None:
+        if self.draining and not self.closed:
+            self._mux.send(STREAM_WINDOW, self._flags, self.peer, WINDOW.pack(self.sid, 0), b"")
+
+    def _drained(self, moved: bool) -> None:
+        self.draining = False
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
+        if not moved:
+            self._mux.drain_gave_up(self)
+        if self._send_buf or self._fin_pending:
+            self._flush()
+            self._check_pause()
+
     def get_write_buffer_size(self) -> int:
         return len(self._send_buf)
 
@@ -169,7 +207,7 @@ class MeshStream(asyncio.Transport):
             return  # like asyncio after close: silently ignored
         if not data:
             return
-        if self._send_buf or self.send_credit <= 0:
+        if self._send_buf or self.send_credit <= 0 or self.draining:
             self._send_buf += data
         else:
             n = len(data)
@@ -209,13 +247,18 @@ class MeshStream(asyncio.Transport):
 
     def _emit_data(self, data: bytes | bytearray | memoryview) -> None:
         n = len(data)
+        # credit is taken after the send: the mesh asks `quiet` (is any of our data in
+        # flight?) to pick this frame's path, and this frame is not in flight yet
+        sent = self._mux.send(STREAM_DATA, self._flags, self.peer, self._sid_bytes, data)
         self.send_credit -= n
         self.bytes_out += n
-        if not self._mux.send(STREAM_DATA, self._flags, self.peer, self._sid_bytes, data):
+        if not sent:
             self._mux.loop.call_soon(self.reset, NETWORK_UNREACHABLE, True)
 
     def _flush(self) -> None:
         buf = self._send_buf
+        if self.draining:
+            return  # FIN waits behind the held data too
         if buf and self.send_credit > 0 and not self.closed:
             view = memoryview(buf)
             pos = 0
@@ -285,6 +328,9 @@ class MeshStream(asyncio.Transport):
             self._lost(None)
 
     def _lost(self, exc: Exception | None, keep_entry: bool = False) -> None:
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
         if self.closed:
             if not keep_entry:
                 self._mux.remove(self)
@@ -327,9 +373,21 @@ class MeshStream(asyncio.Transport):
         self._grant(n)
 
     def on_window(self, credit: int) -> None:
+        if credit == 0:
+            # the peer asks for its credit back (it is moving the stream): grant what our
+            # protocol consumed, however little
+            if self._consumed and not self.closed and not self.fin_received:
+                credit_back, self._consumed = self._consumed, 0
+                self.recv_allowed += credit_back
+                self._mux.send(STREAM_WINDOW, self._flags, self.peer, WINDOW.pack(self.sid, credit_back), b"")
+            return
         # never more in flight than our own window (limits.stream_window), whatever the peer
         # grants: a peer that grants 2^32 and stops reading must not fill our memory
         self.send_credit = min(self.send_credit + credit, self._mux.window)
+        if self.draining:
+            if self.quiet:
+                self._drained(True)
+            return
         if self._send_buf or self._fin_pending:
             self._flush()
             self._check_pause()
@@ -385,6 +443,8 @@ class StreamMux:
         # its previous life's streams, which a peer may still hold until it hears of the restart
         self._next_sid = int.from_bytes(os.urandom(4), "big") or 1
         self._opening: dict[StreamKey, asyncio.Future[MeshStream]] = {}
+        # the service sets this: a stream that could not move paths stays where it is
+        self.drain_gave_up: Callable[[MeshStream], None] = lambda s: None
         # the service sets this: (stream, host, port) for an OPEN from a peer
         self.on_open: Callable[[MeshStream, str, int], None] = lambda s, h, p: s.reset(NOT_ALLOWED)
 
@@ -485,7 +545,7 @@ class StreamMux:
             if stream is None or fut is None or len(body) != ACCEPT.size:
                 _stream_drops.labels("unexpected_accept").inc()
                 return
-            stream.send_credit = min(ACCEPT.unpack_from(body)[1], self.window)
+            stream.send_credit = stream.credit_full = min(ACCEPT.unpack_from(body)[1], self.window)
             _streams_total.labels("open", "ok").inc()
             if not fut.done():
                 fut.set_result(stream)
@@ -499,7 +559,7 @@ class StreamMux:
                 _stream_drops.labels("duplicate_open").inc()
                 return
             new = MeshStream(self, src, sid, False, self.window)
-            new.send_credit = min(window, self.window)
+            new.send_credit = new.credit_full = min(window, self.window)
             if not self._add(new):
                 self.send(STREAM_RESET, 0, src, RESET.pack(sid, GENERAL_FAILURE), b"")
                 return

@@ -18,7 +18,7 @@ from meshgate.mesh.service import MeshService
 from meshgate.mesh.traversal import PING, encode_call, probe_key, seal_probe
 from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
-from tests.mesh_testing import converged, node_config, sha_server, start_node, stop_all, stream_sha
+from tests.mesh_testing import Collector, converged, node_config, sha_server, start_node, stop_all, stream_sha
 
 
 async def _line(traversal_a: bool = True, traversal_c: bool = True, **mesh: object) -> list[MeshService]:
@@ -73,22 +73,62 @@ async def test_relayed_traffic_punches_a_direct_link_and_takes_it() -> None:
         await stop_all(nodes)
 
 
-async def test_a_stream_open_when_the_direct_link_comes_keeps_the_relay_path() -> None:
-    """Bytes of a stream in flight through the relay must not be overtaken by later ones on
-    the new direct link: the stream stays on the relay, sha256 intact."""
+async def test_a_stream_running_when_the_direct_link_comes_moves_to_it_in_order() -> None:
+    """A bulk stream that started through the relay: when the direct link's route appears it
+    holds its new bytes until all it sent through b arrived (STREAM_WINDOW 0 asks c for its
+    credit back), then goes on over the direct link. sha256 intact; most bytes went direct."""
     nodes = await _line()
     a, _b, c = nodes
     srv, port = await sha_server()
     try:
-        data = os.urandom(24 << 20)
+        data = os.urandom(48 << 20)
+        forwarded = REGISTRY.value("meshgate_mesh_frames_forwarded_total")
         task = asyncio.ensure_future(_sha(a, c, port, data))
         await async_wait_until(lambda: _direct(a, c) or task.done(), 20, "direct link during the transfer")
         assert not task.done()
-        # the running stream's frames still go out through b
-        pins = a._pinned[c.node_id]
-        assert pins and all(link.peer is not None and link.peer.node_id == _b.node_id
-                            for link in pins.values())
         assert await task == hashlib.sha256(data).digest()
+        assert a.stats["streams_moved"] >= 1
+        # the data frames it sent through b: far fewer than the 48 MiB's ~770
+        assert REGISTRY.value("meshgate_mesh_frames_forwarded_total") - forwarded < 600
+    finally:
+        srv.close()
+        await stop_all(nodes)
+
+
+async def test_a_quiet_stream_moves_to_the_direct_link() -> None:
+    """A long-lived stream (an SSH session, a kept-alive HTTP connection) that started through
+    the relay takes the direct link: its next frame, once its bytes arrived, goes direct."""
+
+    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while line := await r.readline():
+            w.write(line)
+            await w.drain()
+        w.close()
+
+    nodes = await _line()
+    a, b, c = nodes
+    srv = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        transport, proto = await a.open_stream(c.node_id, "127.0.0.1", port, Collector)
+        assert isinstance(proto, Collector) and proto.transport is not None
+        proto.transport.write(b"one\n")
+        await async_wait_until(lambda: bytes(proto.buf) == b"one\n", 5, "the first echo (relayed)")
+        key = next(iter(a._pinned[c.node_id]))
+
+        def pinned_to(nid: int) -> bool:
+            link = a._pinned[c.node_id].get(key)
+            return link is not None and link.peer is not None and link.peer.node_id == nid
+
+        assert pinned_to(b.node_id)
+        await async_wait_until(lambda: _direct(a, c) and (r := a.lookup(ipaddress.ip_address("10.9.0.3")))
+                               is not None and r.hops == 1, 10, "the direct link and route")
+        for i in range(2, 6):  # each write may first drain (the peer returns its credit), then move
+            proto.transport.write(b"%d\n" % i)
+            await async_wait_until(lambda i=i: bytes(proto.buf).endswith(b"%d\n" % i), 5, f"echo {i}")
+        assert bytes(proto.buf) == b"one\n2\n3\n4\n5\n"
+        assert pinned_to(c.node_id) and a.stats["streams_moved"] >= 1
+        transport.close()
     finally:
         srv.close()
         await stop_all(nodes)

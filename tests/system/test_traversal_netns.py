@@ -221,3 +221,17 @@ def test_a_dead_direct_path_falls_back_to_the_relay_and_punches_again(nat_topo: 
     topo.nsexec("wan", "nft", "delete", "table", "ip", "cut", check=True)
     topo.wait(lambda: bool(_send(topo, "a", "10.144.0.3", 1).get("match"))
               and topo.direct_to("a", "b") is not None, 60, "direct again once the path works")
+
+
+@pytest.mark.parametrize("nat_topo", [("restricted", "restricted", ("a", "b"))], indirect=True)
+def test_a_transfer_under_way_moves_to_the_direct_link_in_order(nat_topo: NatTopology) -> None:
+    """The first traffic between A and B is a 200 MiB transfer: it starts through R, the pair
+    punches meanwhile, and the stream drains (holds its new bytes until what it sent through R
+    arrived) and goes on over the direct link. Length and sha256 intact; most of it skipped R."""
+    topo = nat_topo
+    before = _relay_bytes(topo)
+    out = _send(topo, "a", "10.144.0.3", 200)
+    assert out["ok"] and out["match"], out
+    through_r = _relay_bytes(topo) - before
+    assert through_r < 0.5 * 2 * 200 * (1 << 20), f"{through_r} bytes through R: the stream did not move"
+    assert topo.direct_to("a", "b") is not None
