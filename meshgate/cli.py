@@ -350,6 +350,8 @@ def cmd_dns_log(args: argparse.Namespace) -> int:
 
     from meshgate.dns.querylog import format_line
 
+    if args.file:
+        return _dns_log_file(args.file, args.follow)
     since = 0
     try:
         while True:
@@ -368,6 +370,67 @@ def cmd_dns_log(args: argparse.Namespace) -> int:
             time.sleep(1.0)
     except KeyboardInterrupt:
         return EXIT_OK
+
+
+def _dns_log_file(path: str, follow: bool) -> int:
+    """`meshgate dns log --file PATH [--follow]`: the lines of a [dns.query_log] path file; with
+    --follow, the lines added to it (and to the new file once it rotates) until Ctrl-C."""
+    import os
+    import time
+
+    from meshgate.dns.querylog import format_line
+
+    def show(raw: bytes) -> None:
+        try:
+            e = json.loads(raw)
+        except ValueError:
+            e = None
+        if isinstance(e, dict):
+            print(format_line(e), flush=True)
+        else:
+            print(f"meshgate: {path}: skipped a line that is not a query log entry", file=sys.stderr)
+
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - reopened when the writer rotates it
+    except OSError as e:
+        print(f"meshgate: cannot read {path}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_CONFIG
+    partial = b""
+
+    def feed(chunk: bytes) -> None:
+        nonlocal partial
+        lines = (partial + chunk).split(b"\n")
+        partial = lines.pop()  # a line the writer has not finished yet
+        for raw in lines:
+            if raw.strip():
+                show(raw)
+
+    try:
+        while True:
+            chunk = f.read(65536)
+            if chunk:
+                feed(chunk)
+                continue
+            if not follow:
+                if partial.strip():
+                    show(partial)
+                return EXIT_OK
+            time.sleep(0.5)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue  # between the writer's rename and its new file: look again
+            if st.st_ino != os.fstat(f.fileno()).st_ino or st.st_size < f.tell():
+                # rotated (a new file at the path) or truncated: the rest of the old one, then
+                # the new one from its start
+                feed(f.read())
+                f.close()
+                f = open(path, "rb")  # noqa: SIM115
+                partial = b""
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        f.close()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -481,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     dl = dsub.add_parser("log", help="show a running node's recent DNS questions ([dns.query_log])")
     dl.add_argument("--follow", "-f", action="store_true", help="keep polling every second until Ctrl-C")
     dl.add_argument("--admin", default="127.0.0.1:15888")
+    dl.add_argument("--file", metavar="PATH",
+                    help="read a [dns.query_log] path file (JSON lines) instead of the node's ring")
     dl.add_argument("--token-file", help="admin token (default: $MESHGATE_ADMIN_TOKEN)")
     dl.set_defaults(func=cmd_dns_log)
 

@@ -226,10 +226,18 @@ BLOCKLIST_ANSWERS = ("nxdomain", "zero", "refused")
 @dataclass(frozen=True)
 class DnsQueryLogConfig:
     """[dns.query_log]: a ring of the last `size` answered questions (client, name, type, rcode,
-    how answered, latency) for GET /dns/log and `meshgate dns log`. Off: it records clients."""
+    how answered, latency) for GET /dns/log and `meshgate dns log`. Off: it records clients.
+    `path` also writes them as JSON lines, rotated at `max_bytes` into `keep` older files,
+    through a queue of `queue` lines that drops (counted) rather than slow answers.
+    `client_ip`: full, anonymized (IPv4 /24, IPv6 /48) or none, in the ring and the file."""
 
     enable: bool = False
     size: int = 1000
+    path: str = ""
+    max_bytes: int = 10_000_000
+    keep: int = 5
+    client_ip: str = "full"
+    queue: int = 10_000
 
 
 @dataclass(frozen=True)
@@ -769,16 +777,32 @@ def _read_query_log(r: _Reader, d: Mapping[str, Any], base: DnsQueryLogConfig) -
     if not isinstance(q, dict):
         r.problem("dns.query_log", "expected a table [dns.query_log]")
         return base
-    r.table(q, "dns.query_log.", ["enable", "size"])
+    r.table(q, "dns.query_log.", ["enable", "size", "path", "max_bytes", "keep", "client_ip", "queue"])
     size = r.value(q, "dns.query_log.", "size", _positive_int, base.size)
     if size > QUERY_LOG_MAX:
         r.problem("dns.query_log.size", f"{size} is more than {QUERY_LOG_MAX}")
         size = base.size
-    return DnsQueryLogConfig(enable=r.value(q, "dns.query_log.", "enable", _parse_bool, base.enable),
-                             size=size)
+    queue = r.value(q, "dns.query_log.", "queue", _positive_int, base.queue)
+    if queue > QUERY_LOG_MAX:
+        r.problem("dns.query_log.queue", f"{queue} is more than {QUERY_LOG_MAX}")
+        queue = base.queue
+    keep = r.value(q, "dns.query_log.", "keep", _positive_int, base.keep)
+    if keep > QUERY_LOG_KEEP_MAX:
+        r.problem("dns.query_log.keep", f"{keep} is more than {QUERY_LOG_KEEP_MAX}")
+        keep = base.keep
+    path = os.path.expanduser(r.value(q, "dns.query_log.", "path", _parse_str, base.path).strip())
+    enable = r.value(q, "dns.query_log.", "enable", _parse_bool, base.enable)
+    if path and not enable:
+        r.problem("dns.query_log.path", "needs dns.query_log.enable = true")
+    return DnsQueryLogConfig(
+        enable=enable, size=size, path=path, queue=queue, keep=keep,
+        max_bytes=r.value(q, "dns.query_log.", "max_bytes", _positive_int, base.max_bytes),
+        client_ip=r.value(q, "dns.query_log.", "client_ip", _choice(*QUERY_LOG_CLIENT_IP), base.client_ip))
 
 
 QUERY_LOG_MAX = 1_000_000
+QUERY_LOG_KEEP_MAX = 100
+QUERY_LOG_CLIENT_IP = ("full", "anonymized", "none")
 
 
 def _read_routes(r: _Reader, d: Mapping[str, Any], zone: str) -> list[DnsRouteConfig]:

@@ -285,6 +285,18 @@ class Blocklist:
                     return False
         return True
 
+    def blocked_by(self, name: bytes) -> str | None:
+        """blocked(), naming the list: the path or URL of the first list with a block rule at or
+        above `name` (the query log's `blocked LIST`); None when not blocked."""
+        if not self.blocked(name):
+            return None
+        starts = wire.label_starts(name)
+        for f in self.files:
+            rules = f.parsed.block
+            if not f.allowlist and any(name[start:] in rules for start in starts):
+                return str(f.path)
+        return "?"  # the table was rebuilt between the two looks
+
     @property
     def entries(self) -> int:
         return len(self.block) + len(self.allow)

@@ -138,7 +138,8 @@ class Pipeline:
         self._ns = me
         # [dns.query_log]: None when off, so listeners pay one attribute test per question
         ql = config.dns.query_log
-        self.query_log = QueryLog(ql.size) if ql.enable else None
+        self.query_log = QueryLog(ql.size, client_ip=ql.client_ip, path=ql.path, max_bytes=ql.max_bytes,
+                                  keep=ql.keep, queue=ql.queue) if ql.enable else None
 
     # ------------------------------------------------------------------ local data
 
@@ -189,7 +190,8 @@ class Pipeline:
     def _blocked(self, q: Query) -> Answer | None:
         """The blocklist's answer for `q`, or None when its name is not blocked."""
         assert self.blocklist is not None
-        if not self.blocklist.blocked(q.name):
+        by = self.blocklist.blocked_by(q.name)
+        if by is None:
             return None
         mode = self.block_answer
         if mode == "refused":
@@ -203,7 +205,9 @@ class Pipeline:
             a = wire.build_answer(q.question, wire.NOERROR, aa=False, answers=rr, ttl=BLOCKED_TTL)
         else:
             a = wire.build_answer(q.question, wire.NXDOMAIN, aa=False, ttl=BLOCKED_TTL)
-        return _Blocked(a.wire, a.ttl_offsets, a.ttls, a.ttl, a.rcode, a.stored, aging=False)
+        blocked = _Blocked(a.wire, a.ttl_offsets, a.ttls, a.ttl, a.rcode, a.stored, aging=False)
+        blocked.source = f"blocked {by}"  # the query log's source, built once per decision
+        return blocked
 
     def names_changed(self) -> None:
         """Forget memoised local answers (a DNS worker got a new name table: answer it now)."""
@@ -283,11 +287,14 @@ class Pipeline:
     # ------------------------------------------------------------------ upstreams
 
     def answered_how(self, q: Query) -> str:
-        """How lookup() answered `q` just now: local, blocked or cache (the query log's `via`)."""
+        """How lookup() answered `q` just now (the query log's source): `cache`, `blocked LIST`,
+        `local` (dns.records, which answer first) or `mesh` (the mesh zone)."""
         memo = self._memo.get((q.name, q.qtype, q.qclass))
         if memo is _NOT_LOCAL or memo is None:
             return "cache"
-        return "blocked" if type(memo) is _Blocked else "local"
+        if type(memo) is _Blocked:
+            return memo.source
+        return "local" if q.name in self._records else "mesh"
 
     async def resolve(self, q: Query) -> Answer | None:
         """Go upstream. None means dropped: too many queries in flight."""
@@ -332,6 +339,8 @@ class Pipeline:
             for up in group.upstreams:
                 up.close()
         self._close_retired(list(self._retired))
+        if self.query_log is not None:
+            self.query_log.close()  # what is queued reaches the file; a later answer restarts it
 
     @property
     def _preferred(self) -> int:
@@ -416,9 +425,10 @@ _NOT_LOCAL = Answer(b"", (), (), 0, 0)  # memo marker: neither zone nor static r
 
 
 class _Blocked(Answer):
-    """An answer [dns.blocklist] gave (counted each time it is served)."""
+    """An answer [dns.blocklist] gave (counted each time it is served); `source` names the list."""
 
-    __slots__ = ()
+    __slots__ = ("source",)
+    source: str
 
 
 def _label_boundary(name: bytes, at: int) -> bool:
@@ -540,7 +550,7 @@ class Frontend:
             ready = self._pack(ans, q, now, lim, pad, self.ready)
             if pipeline.query_log is not None:
                 loop_now = asyncio.get_running_loop().time()
-                pipeline.query_log.add(peer, q.name, q.qtype, ans.rcode, pipeline.answered_how(q),
+                pipeline.query_log.add(peer, self.stats.name, q.name, q.qtype, ans, pipeline.answered_how(q),
                                        (loop_now - now) * 1000.0)
             return ready
         task = asyncio.get_running_loop().create_task(self._later(q, lim, pad, peer, now))
@@ -588,7 +598,7 @@ class Frontend:
         now = asyncio.get_running_loop().time()
         ready = self._pack(ans, q, now, limit, pad, Ready.__new__(Ready))
         if pipeline.query_log is not None:
-            pipeline.query_log.add(peer, q.name, q.qtype, ans.rcode, via, (now - start) * 1000.0)
+            pipeline.query_log.add(peer, self.stats.name, q.name, q.qtype, ans, via, (now - start) * 1000.0)
         return ready
 
     def close(self) -> None:

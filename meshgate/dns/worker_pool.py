@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import meshgate
-from meshgate.config import Config, DnsConfig, DnsListenerConfig, MeshConfig, Socks5Config
+from meshgate.config import Config, DnsConfig, DnsListenerConfig, DnsQueryLogConfig, MeshConfig, Socks5Config
 from meshgate.dns import wire
 from meshgate.dns.resolver import Names, NameTable, Pipeline
 from meshgate.errors import StartupError
@@ -168,7 +168,9 @@ def worker_config(config: Config, listeners: list[DnsListenerConfig]) -> Config:
     """What a worker needs: the DNS settings with the listeners it shares (bound ports, cert paths
     filled in) and the node's name for the zone; no mesh, network secret or SOCKS users."""
     node = dataclasses.replace(config.node, secret="")
-    dns = dataclasses.replace(config.dns, listeners=tuple(listeners), workers=1)
+    # No [dns.query_log] in workers: nothing reads their ring, and one process writes its file
+    dns = dataclasses.replace(config.dns, listeners=tuple(listeners), workers=1,
+                              query_log=DnsQueryLogConfig())
     return dataclasses.replace(config, node=node, mesh=MeshConfig(), socks5=Socks5Config(), dns=dns)
 
 
