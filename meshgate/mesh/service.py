@@ -998,8 +998,8 @@ class MeshService:
     def _stream_link(self, dst: int, flags: int, head: bytes | bytearray | memoryview) -> LinkBase | None:
         """The link a stream's frames take: the one its earlier frames took, while it is up
         and some of the stream's data is in flight (`_pinned`: a new route or a second link to
-        the same neighbour would let later bytes overtake earlier ones). When the route is
-        better elsewhere, the stream drains (MeshStream.drain) and then moves."""
+        the same neighbour would let later bytes overtake earlier ones). When the route's next
+        hop is another node, the stream drains (MeshStream.drain) and then moves."""
         key = (SID.unpack_from(head)[0], bool(flags & FLAG_OPENER))
         route = self._route_link(dst, flags)
         pins = self._pinned.get(dst)
@@ -1007,7 +1007,10 @@ class MeshService:
             link = pins.get(key)
             if link is not None:
                 if not link.gone_seen:
-                    if route is None or route is link or self.mux is None:
+                    if (route is None or self.mux is None or route.peer is None or link.peer is None
+                            or route.peer.node_id == link.peer.node_id):
+                        # no route, or the same next hop (another link to the same neighbour
+                        # is no better for long: moving would flap with write-paused links)
                         return link
                     stream = self.mux.streams.get((dst, key[0], key[1]))
                     if stream is None or (dst, key[0], key[1]) in self._stay:
