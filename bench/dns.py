@@ -47,6 +47,21 @@ Tables (bench/common.py runner: alternating rounds, medians):
    doh listeners at a rate no row reaches, so the row beside `meshgate` shows
    what the check costs per query.
 
+3. dns-blocklist-memory: a generated list of `--blocklist-size` (default one
+   million) plain domains loaded into dns/blocklist.py's table in a fresh
+   process: RSS after minus before, the VmHWM growth while parsing, CPU to
+   load (`--ab REF`: the same for meshgate as of REF beside it). blocky's
+   published figure for its own lists is ~100 MB for 1.4 million domains.
+   dns-blocklist-cost: cache hits through Frontend.query (what the udp
+   listener calls) over 1000 cached names on the loop's real clock, with that
+   list vs none (`cold`: the one-second memo of blocklist decisions cleared
+   before every query, so each pays the decision). dns-query-log: the same
+   queries with [dns.query_log] off, the ring only, the ring and a file
+   (queue big enough for every line; the writer thread's CPU is counted: the
+   run waits for it), anonymized, and with a queue of 1000 (dropped/q: what
+   a writer that falls behind a flood loses instead of slowing answers). `--skip-lists`
+   leaves these out; `--skip-alloc --skip-load` runs only these.
+
 Nothing leaves 127.0.0.1: peers answer `*.test` locally; load is bounded in
 count and time.
 
@@ -68,6 +83,7 @@ import contextlib
 import gc
 import inspect
 import json
+import random
 import re
 import secrets
 import shutil
@@ -608,8 +624,16 @@ def main() -> None:
                     help="also run meshgate-rl: the per-client rate limit on, never reached (its cost)")
     ap.add_argument("--workers", default="1,2",
                     help="comma-separated dns.workers values: 1 = row 'meshgate', N = 'meshgate-wN'")
+    ap.add_argument("--skip-lists", action="store_true",
+                    help="skip the blocklist (memory, cost) and query log (on vs off) sections")
+    ap.add_argument("--blocklist-size", type=int, default=1_000_000, help="domains in the generated list")
     args = ap.parse_args()
     runners: list[Runner] = []
+
+    if not args.skip_lists:
+        with tempfile.TemporaryDirectory(prefix="bench-dns-lists-") as d:
+            runners.extend(blocklist_runners(args, Path(d)))
+            runners.append(query_log_runner(args, Path(d)))
 
     if not args.skip_alloc:
         alloc = Runner("dns-alloc (in-process DoH GET, five A records, cache hit)", rounds=args.rounds,
@@ -641,7 +665,7 @@ def main() -> None:
             finally:
                 for s in servers.values():
                     s.peer.stop()
-    report(runners, json_path=args.json, ratio_metrics=["us/q", "cpu_us/q", "peak_B/q", "held_B/q"])
+    report(runners, json_path=args.json, ratio_metrics=["us/q", "cpu_us/q", "peak_B/q", "held_B/q", "rss_MB"])
     for r in runners:
         if r.baseline == "unpooled":
             print(pooling_saves(r))
@@ -714,6 +738,170 @@ def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Ru
 
         add(f"{name} udp MISS via {up} dnsperf", udp_miss)
         add(f"{name} doh GET MISS via {up} h2load", doh_miss)
+    run.run()
+    return run
+
+
+# --------------------------------------------------------------------------- 3. blocklist and query log
+# In process, no sockets: what a one-million-domain blocklist costs in memory and per cache-hit
+# query, and what [dns.query_log] costs per query. The query path is Frontend.query (parse,
+# lookup, pack, and the query-log hook where it lives), the same the udp listener calls.
+
+_MEMORY_CHILD = """
+import os, sys, time
+def rss():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+def hwm():
+    with open('/proc/self/status') as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmHWM'))
+from meshgate.dns.blocklist import Blocklist
+import gc
+gc.collect()
+r0, h0 = rss(), hwm()
+cpu = time.process_time()
+bl = Blocklist([sys.argv[1]], [], 3600.0)
+cpu = time.process_time() - cpu
+gc.collect()
+print(bl.entries, rss() - r0, hwm() - h0, cpu)
+"""
+
+
+def _domain_list(path: Path, n: int) -> None:
+    """n distinct plain-domain lines (6-14 random characters, a number, sometimes a label, a TLD),
+    about 24 bytes each: the shape of the big public lists' entries."""
+    rng = random.Random(16)
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    tlds = ("com", "net", "org", "io", "de", "info")
+    mids = ("", "ads.", "track.", "cdn.")
+    with path.open("w") as f:
+        for i in range(n):
+            host = "".join(rng.choices(alphabet, k=rng.randint(6, 14)))
+            f.write(f"{host}{i}.{rng.choice(mids)}{rng.choice(tlds)}\n")
+
+
+def blocklist_memory(list_path: Path, tree: Path) -> Metrics:
+    """Load the list into dns/blocklist.py's table in a fresh process (the tree's meshgate):
+    RSS after minus before (what stays), VmHWM growth (the peak while parsing), CPU to load."""
+    out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(list_path)], cwd=tree, check=True,
+                         capture_output=True, text=True, timeout=600).stdout.split()
+    entries, kept, peak, cpu = int(out[0]), int(out[1]), int(out[2]), float(out[3])
+    return {"entries": entries, "rss_MB": kept / 1e6, "B/domain": kept / entries,
+            "peak_MB": peak / 1e6, "load_cpu_s": cpu}
+
+
+def _frontend(log_cfg: dict[str, Any] | None, names: list[str], now: float) -> Any:
+    """A Frontend whose pipeline's cache holds an A record for each of `names`."""
+    from meshgate.dns.resolver import Frontend
+
+    cfg: dict[str, Any] = {"node": {"name": "bench"}}
+    if log_cfg is not None:
+        cfg["dns"] = {"query_log": log_cfg}
+    p = Pipeline(from_dict(cfg), upstreams=[])
+    for name in names:
+        q = dns.message.make_query(name, "A")
+        r = dns.message.make_response(q)
+        r.answer.append(dns.rrset.from_text(name, 3600, "IN", "A", "192.0.2.1"))
+        key = (wire.encode_name(name), 1, 1)
+        p.cache.put(key, wire.parse_response(r.to_wire(), q.id, key, now))
+    return Frontend(p, ListenerStats("udp://127.0.0.1:53"))
+
+
+def _queries(names: list[str]) -> list[bytes]:
+    out = []
+    for name in names:
+        q = dns.message.make_query(name, "A")
+        q.id = 0
+        out.append(q.to_wire())
+    return out
+
+
+def frontend_variant(n: int, names: list[str], *, blocklist: Any = None, cold: bool = False,
+                     log_cfg: dict[str, Any] | None = None) -> Metrics:
+    """n cache-hit queries through Frontend.query cycling over `names`, on the loop's real clock
+    (so the pipeline's one-second memo of local and blocklist decisions expires as it does in
+    a node). `cold` clears that memo before every query: each then pays the blocklist decision.
+    With a query log file, the run includes writing out what is queued (its thread's CPU is in
+    the process's CPU time) and reports lines dropped per query."""
+    loop = asyncio.new_event_loop()
+
+    async def run() -> Metrics:
+        now = loop.time()
+        fe = _frontend(log_cfg, names, now)
+        p = fe.pipeline
+        if blocklist is not None:
+            p.blocklist = blocklist
+        datas = _queries(names)
+        peer = ("192.0.2.77", 5353)
+        m = len(datas)
+        for data in datas:  # warm: memo and pool filled, every name answered once
+            fe.query(data, loop.time(), peer, udp=True).buffer.recycle()
+        gc.collect()
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        for i in range(n):
+            if cold:
+                p._memo.clear()
+            ready = fe.query(datas[i % m], loop.time(), peer, udp=True)
+            ready.buffer.recycle()
+        log = p.query_log
+        dropped = 0
+        if log is not None and log.sink is not None:
+            dropped = log.sink.dropped
+            log.close()  # waits for the writer: its work is part of the cost
+        wall = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
+        out: Metrics = {"q/s": n / wall, "cpu_us/q": cpu / n * 1e6}
+        if log is not None and log.sink is not None:
+            out["dropped/q"] = dropped / n
+        return out
+
+    try:
+        return loop.run_until_complete(run())
+    finally:
+        loop.close()
+
+
+def blocklist_runners(args: argparse.Namespace, tmp: Path) -> list[Runner]:
+    from meshgate.dns.blocklist import Blocklist
+
+    size = args.blocklist_size
+    list_path = tmp / "blocklist.txt"
+    _domain_list(list_path, size)
+    mem = Runner(f"dns-blocklist-memory ({size:,} plain domains, fresh process each)", rounds=args.rounds,
+                 baseline=f"meshgate@{args.ab}" if args.ab else None)
+    mem.add("meshgate", lambda: blocklist_memory(list_path, ROOT))
+    if args.ab:
+        tree = git_tree(args.ab, str(tmp))
+        mem.add(f"meshgate@{args.ab}", lambda: blocklist_memory(list_path, tree))
+    mem.run()
+    bl = Blocklist([str(list_path)], [], 3600.0)
+    names = [f"host{i}.cached.example." for i in range(1000)]  # none of them blocked
+    n = args.alloc_queries * 5
+    cost = Runner(f"dns-blocklist-cost (in-process Frontend.query, cache hits over 1000 names; "
+                  f"list: {bl.entries:,} domains)", rounds=args.rounds, baseline="none")
+    cost.add("none", lambda: frontend_variant(n, names))
+    cost.add("list", lambda: frontend_variant(n, names, blocklist=bl))
+    cost.add("none cold", lambda: frontend_variant(n, names, cold=True))
+    cost.add("list cold", lambda: frontend_variant(n, names, blocklist=bl, cold=True))
+    cost.run()
+    return [mem, cost]
+
+
+def query_log_runner(args: argparse.Namespace, tmp: Path) -> Runner:
+    names = [f"host{i}.cached.example." for i in range(1000)]
+    n = args.alloc_queries * 5
+    path = str(tmp / "queries.jsonl")
+    run = Runner("dns-query-log (in-process Frontend.query, cache hits over 1000 names)", rounds=args.rounds,
+                 baseline="off")
+    run.add("off", lambda: frontend_variant(n, names))
+    run.add("ring", lambda: frontend_variant(n, names, log_cfg={"enable": True}))
+    # queue = n: the file gets every line, so the row is the whole cost of writing them
+    run.add("ring+file", lambda: frontend_variant(
+        n, names, log_cfg={"enable": True, "path": path, "queue": n}))
+    run.add("ring+file anonymized", lambda: frontend_variant(
+        n, names, log_cfg={"enable": True, "path": path, "queue": n, "client_ip": "anonymized"}))
+    run.add("ring+file queue 1000", lambda: frontend_variant(
+        n, names, log_cfg={"enable": True, "path": path, "queue": 1000}))
     run.run()
     return run
 

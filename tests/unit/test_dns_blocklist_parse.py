@@ -203,3 +203,24 @@ def test_config_errors_name_the_key() -> None:
     assert "dns.blocklist.lists" in problems({"dns": {"blocklist": {"allow": ["/a"]}}})
     assert "dns.blocklist" in problems({"dns": {"blocklist": ["/x"]}})
     assert "expected a list" in problems({"dns": {"blocklist": {"lists": "/x"}}})["dns.blocklist.lists"]
+
+
+def test_name_table_holds_hashes_and_a_union_keeps_a_shared_name_once(tmp_path: Path) -> None:
+    from meshgate.dns.blocklist import NameTable
+
+    names = {w(f"n{i}.example") for i in range(5000)}
+    t = NameTable.of(names)
+    assert len(t) == 5000 and t.hashes.itemsize == 8 and t.labels == 2
+    assert all(n in t for n in names)
+    assert sum(w(f"m{i}.example") in t for i in range(5000)) == 0
+    u = NameTable.union([t, NameTable.of({w("n1.example"), w("other.test")})])
+    assert len(u) == 5001 and w("other.test") in u and w("n4999.example") in u
+    assert NameTable.union([t]) is t
+    # two list files: blocked_by names the first that has a rule at or above the name
+    (tmp_path / "a.txt").write_text("ads.example\n")
+    (tmp_path / "b.txt").write_text("tracker.example\nads.example\n")
+    bl = Blocklist([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], [], 60.0)
+    assert bl.entries == 2
+    assert bl.blocked_by(w("x.tracker.example")) == str(tmp_path / "b.txt")
+    assert bl.blocked_by(w("ads.example")) == str(tmp_path / "a.txt")
+    assert bl.blocked_by(w("fine.example")) is None
