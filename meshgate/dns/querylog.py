@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -84,7 +85,9 @@ def anonymize(address: str) -> str:
 def answer_addresses(ans: wire.Answer) -> list[str]:
     """The A/AAAA addresses of an answer's answer section ([] if it cannot be read)."""
     try:
-        return [str(ipaddress.ip_address(rd)) for _t, rd in wire.answer_addresses(ans)]
+        # inet_ntop: RFC 5952 text (an IPv4-mapped one as ::ffff:a.b.c.d) at a tenth of ipaddress's cost
+        return [socket.inet_ntop(socket.AF_INET if len(rd) == 4 else socket.AF_INET6, rd)
+                for _t, rd in wire.answer_addresses(ans)]
     except Exception:  # struct.error, IndexError on a truncated stored answer: show none
         return []
 
@@ -117,6 +120,22 @@ class Formatter:
                 "name": wire.decode_name(name), "type": type_name(qtype),
                 "rcode": wire.RCODE_NAMES.get(ans.rcode, str(ans.rcode)),
                 "answers": answer_addresses(ans), "source": source, "latency_ms": round(ms, 3)}
+
+
+    def line(self, e: Entry) -> bytes:
+        """record(e) as one compact JSON line, built directly (the writer's per-line cost: about
+        a third of json.dumps of the dict); json.loads(line) == record(e)."""
+        _seq, t, peer, listener, name, qtype, ans, source, ms = e
+        q = _quote
+        answers = ",".join(f'"{a}"' for a in answer_addresses(ans))  # addresses need no escaping
+        rcode = wire.RCODE_NAMES.get(ans.rcode, str(ans.rcode))
+        return (f'{{"time":{round(t, 3)!r},"client":{q(self.client(peer))},"listener":{q(listener)},'
+                f'"name":{q(wire.decode_name(name))},"type":{q(type_name(qtype))},"rcode":{q(rcode)},'
+                f'"answers":[{answers}],"source":{q(source)},"latency_ms":{round(ms, 3)!r}}}\n').encode()
+
+
+def _quote(text: str) -> str:
+    return json.encoder.encode_basestring_ascii(text)  # type: ignore[no-any-return]
 
 
 class RotatingFile:
@@ -212,11 +231,11 @@ class FileSink:
         self.file.close()
 
     def _write(self, batch: list[Entry]) -> None:
-        record = self.fmt.record
+        line = self.fmt.line
         f = self.file
         try:
             for e in batch:
-                f.write(json.dumps(record(e), separators=(",", ":")).encode() + b"\n")
+                f.write(line(e))
             f.flush()
             self.written += len(batch)
         except OSError as exc:

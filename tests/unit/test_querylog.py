@@ -96,3 +96,16 @@ def test_config_defaults_and_problems() -> None:
                 {"enable": True, "max_bytes": -1}):
         with pytest.raises(ConfigError, match=r"dns\.query_log"):
             from_dict({"dns": {"query_log": bad}})
+
+
+def test_a_file_line_is_the_record_as_json() -> None:
+    f = Formatter("anonymized")
+    ans = a_answer(wire.NXDOMAIN, bytes([10, 0, 0, 1]))
+    for name in ("www.example", 'odd"\\name.example'):
+        wname = b"".join(bytes([len(x)]) + x.encode() for x in name.split(".")) + b"\x00"
+        e = (7, 1700000000.1234, ("2001:db8:1:2::5", 53), "udp://[::]:53", wname, 65, ans,
+             'route ex. udp://"x"', 0.0004)
+        line = f.line(e)
+        assert line.endswith(b"\n") and line.count(b"\n") == 1
+        assert json.loads(line) == f.record(e)
+    assert json.loads(line)["client"] == "2001:db8:1::" and json.loads(line)["answers"] == ["10.0.0.1"]
