@@ -567,7 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("dest", metavar="TO", help="self (this node's virtual IP) or an address")
     at.add_argument("port", type=int, metavar="PORT")
     at.add_argument("-c", "--config", required=True, help="the node's TOML config file")
-    at.add_argument("--proto", choices=["tcp", "udp"], default="tcp")
+    at.add_argument("--proto", choices=["tcp", "udp", "icmp"], default="tcp",
+                    help="icmp: PORT is ignored (give 0); rules with ports never match it")
     at.add_argument("--groups", metavar="a,b", help="the source's certificate groups")
     acl.set_defaults(func=cmd_acl)
 

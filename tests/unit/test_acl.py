@@ -97,3 +97,8 @@ def test_acl_test_command_says_which_rule_decides(tmp_path: Path) -> None:
     no = run("node:mallory", "self", "22")
     assert no.returncode == 1 and "denied" in no.stdout
     assert run("group:ops", "self", "22", "--proto", "udp").returncode == 1
+    # ping rules (TUN): proto icmp, no ports
+    cfg.write_text('[[acl]]\nfrom = ["group:ops"]\nto = ["self"]\nproto = "icmp"\n')
+    ping = run("group:ops", "self", "0", "--proto", "icmp")
+    assert ping.returncode == 0 and "allowed by acl[0]" in ping.stdout, ping.stdout + ping.stderr
+    assert run("group:ops", "self", "0", "--proto", "tcp").returncode == 1
