@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -372,6 +373,21 @@ def cmd_dns_log(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+def _rotated_after(path: str, held: int) -> list[str]:
+    """The rotated files newer than the one whose inode is `held` (path.K), newest last."""
+    import os
+
+    found: list[str] = []
+    for k in range(1, 101):  # dns.query_log.keep is at most 100
+        try:
+            if os.stat(f"{path}.{k}").st_ino == held:
+                return list(reversed(found))
+        except OSError:
+            return []  # not among them (truncated in place, or rotated away): nothing to add
+        found.append(f"{path}.{k}")
+    return []
+
+
 def _dns_log_file(path: str, follow: bool) -> int:
     """`meshgate dns log --file PATH [--follow]`: the lines of a [dns.query_log] path file; with
     --follow, the lines added to it (and to the new file once it rotates) until Ctrl-C."""
@@ -420,11 +436,17 @@ def _dns_log_file(path: str, follow: bool) -> int:
                 st = os.stat(path)
             except OSError:
                 continue  # between the writer's rename and its new file: look again
-            if st.st_ino != os.fstat(f.fileno()).st_ino or st.st_size < f.tell():
-                # rotated (a new file at the path) or truncated: the rest of the old one, then
-                # the new one from its start
+            held = os.fstat(f.fileno()).st_ino
+            if st.st_ino != held or st.st_size < f.tell():
+                # rotated (a new file at the path) or truncated: the rest of the old one, the
+                # files rotated after it (it is now path.K: path.K-1 ... path.1, when the writer
+                # rotated more than once between two looks), then the new one from its start
                 feed(f.read())
                 f.close()
+                for newer in _rotated_after(path, held):
+                    with contextlib.suppress(OSError), open(newer, "rb") as g:
+                        partial = b""
+                        feed(g.read())
                 f = open(path, "rb")  # noqa: SIM115
                 partial = b""
     except KeyboardInterrupt:

@@ -356,3 +356,31 @@ async def test_a_flood_with_a_stuck_writer_drops_and_counts_and_every_answer_com
         await node.stop()
         if reader >= 0:
             os.close(reader)
+
+
+async def test_dns_log_file_follow_goes_on_across_a_rotation(
+        tmp_path: Path, auths: tuple[LocalAuthority, TagAuthority]) -> None:
+    path = tmp_path / "q.log"
+    node = make_node(tmp_path, auths, enable=True, path=str(path), max_bytes=1000, keep=3)
+    await node.start()
+    follow = None
+    try:
+        _svc, _url, port = udp_port(node)
+        await ask(port, "n0.alpha.mesh.internal")
+        await async_wait_until(lambda: "n0.alpha" in text_of(path), 10, "the first line written")
+        follow = await asyncio.create_subprocess_exec(
+            *meshgate_cmd("dns", "log", "--file", str(path), "--follow"), env=env(),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        assert follow.stdout is not None
+        assert b"n0.alpha.mesh.internal." in await asyncio.wait_for(follow.stdout.readline(), 60)
+        for i in range(1, 12):  # ~200-byte lines: the file rotates twice on the way
+            await ask(port, f"n{i}.alpha.mesh.internal")
+        seen = [(await asyncio.wait_for(follow.stdout.readline(), 30)).split()[3] for _ in range(11)]
+        assert seen == [f"n{i}.alpha.mesh.internal.".encode() for i in range(1, 12)]
+        assert Path(f"{path}.2").exists()  # it did rotate (twice) while being followed
+    finally:
+        if follow is not None and follow.returncode is None:
+            follow.send_signal(signal.SIGINT)
+            await asyncio.wait_for(follow.wait(), 30)
+        await node.stop()
+    assert follow is not None and follow.returncode == 0
