@@ -158,6 +158,13 @@ class NameTable:
         return cls(array.array("q", sorted(map(hash, names))), labels)
 
     @classmethod
+    def of_hashes(cls, hashes: array.array[int], labels: int) -> NameTable:
+        """The table of names' hashes in any order, repeats kept once (a name listed twice)."""
+        ordered = sorted(hashes)
+        del hashes[:]  # the caller's copy is not needed while the sorted one exists
+        return cls(array.array("q", (h for h, _ in itertools.groupby(ordered))), labels)
+
+    @classmethod
     def union(cls, tables: list[NameTable]) -> NameTable:
         if len(tables) == 1:
             return tables[0]  # one list: its own table, not a copy
@@ -220,6 +227,33 @@ def parse_text(lines: Iterable[str], *, allowlist: bool = False) -> Parsed:
     return Parsed(block, allow, malformed)
 
 
+def parse_compact(lines: Iterable[str], *, allowlist: bool = False) -> Parsed:
+    """parse_text straight into NameTables: each name is hashed as its line is read, so loading
+    a big list never holds a set of all its names (the peak while loading a million-domain file
+    is the hashes and their sort, not ~130 MB of names)."""
+    block = array.array("q")
+    allow = array.array("q")
+    labels = [0, 0]  # most labels of a block rule, of an allow rule
+    malformed = 0
+    for line in lines:
+        try:
+            got = parse_line(line)
+        except Malformed:
+            malformed += 1
+            continue
+        if got is None:
+            continue
+        kind, names = got
+        side = 1 if allowlist or kind == ALLOW else 0
+        target = allow if side else block
+        for name in names:
+            target.append(hash(name))
+            n = _label_count(name)
+            if n > labels[side]:
+                labels[side] = n
+    return Parsed(NameTable.of_hashes(block, labels[0]), NameTable.of_hashes(allow, labels[1]), malformed)
+
+
 class ListFile:
     """One configured file: its last good contents and what reading it cost."""
 
@@ -241,7 +275,7 @@ class ListFile:
             if stamp == self.stamp:
                 return False
             with open(self.path, encoding="utf-8", errors="replace") as f:
-                parsed = parse_text(f, allowlist=self.allowlist)
+                parsed = parse_compact(f, allowlist=self.allowlist)
         except OSError as e:
             self.failures += 1
             self.error = f"{type(e).__name__}: {e.strerror or e}"

@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from meshgate.dns.blocklist import Parsed, _entries, _failures, _malformed, parse_text, rlog
+from meshgate.dns.blocklist import Parsed, _entries, _failures, _malformed, parse_compact, rlog
 from meshgate.metrics import REGISTRY
 
 log = logging.getLogger("meshgate.dns")
@@ -79,7 +79,7 @@ def fetch(url: str, etag: str, last_modified: str, *, allowlist: bool, timeout: 
         reason = getattr(e, "reason", e)
         raise FetchError(f"{type(e).__name__}: {reason}") from None
     text = body.decode("utf-8", errors="replace")
-    return Fetched(200, parse_text(text.splitlines(), allowlist=allowlist), new_etag, new_lm)
+    return Fetched(200, parse_compact(text.splitlines(), allowlist=allowlist), new_etag, new_lm)
 
 
 class UrlList:

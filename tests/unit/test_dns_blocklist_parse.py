@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshgate.config import ConfigError, from_dict
+from meshgate.dns import wire
 from meshgate.dns.blocklist import Blocklist, Malformed, encode, parse_line, parse_text
 from meshgate.metrics import REGISTRY
 
@@ -224,3 +225,15 @@ def test_name_table_holds_hashes_and_a_union_keeps_a_shared_name_once(tmp_path: 
     assert bl.blocked_by(w("x.tracker.example")) == str(tmp_path / "b.txt")
     assert bl.blocked_by(w("ads.example")) == str(tmp_path / "a.txt")
     assert bl.blocked_by(w("fine.example")) is None
+
+
+def test_parse_compact_matches_parse_text() -> None:
+    from meshgate.dns.blocklist import parse_compact
+
+    lines = [*MIXED.splitlines(), "ads.example", "0.0.0.0 ads.example"]  # repeats counted once
+    text, compact = parse_text(lines), parse_compact(lines)
+    assert (len(compact.block), len(compact.allow), compact.malformed) == (
+        len(text.block), len(text.allow), text.malformed)
+    assert all(n in compact.block for n in text.block) and all(n in compact.allow for n in text.allow)
+    assert not any(n in compact.block for n in text.allow)
+    assert compact.block.labels == max(len(wire.label_starts(n)) for n in text.block)
