@@ -15,7 +15,7 @@ import random
 import shutil
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -136,6 +136,16 @@ def free_port(kind: int = socket.SOCK_STREAM, host: str = "127.0.0.1") -> int:
         port = int(s.getsockname()[1])
     _handed_out.add(port)
     return port
+
+
+def write_firefox_prefs(profile: Path, prefs: Mapping[str, object]) -> None:
+    """A Firefox profile's user.js: one user_pref line per preference (bool, int or string)."""
+    lines = []
+    for key, value in prefs.items():
+        text = ("true" if value else "false") if isinstance(value, bool) else (
+            str(value) if isinstance(value, int) else f'"{value}"')
+        lines.append(f'user_pref("{key}", {text});')
+    (profile / "user.js").write_text("\n".join(lines) + "\n")
 
 
 def sha256(data: bytes) -> str:

@@ -26,7 +26,7 @@ import pytest
 from meshgate import tls
 from meshgate.config import from_dict
 from meshgate.dns import service
-from tests.helpers import require, require_root, require_tool
+from tests.helpers import require, require_root, require_tool, write_firefox_prefs
 
 pytestmark = pytest.mark.e2e
 
@@ -294,13 +294,7 @@ def _firefox_profile(home: Path, doh: str, certutil: str) -> Path:
     profile = home / ".mozilla" / "firefox" / "test.default-release"
     profile.mkdir(parents=True)
     subprocess.run([certutil, "-N", "-d", f"sql:{profile}", "--empty-password"], check=True, timeout=60)
-    prefs = {**FIREFOX_DOH_PREFS, "network.trr.uri": doh}
-    lines = []
-    for key, value in prefs.items():
-        text = ("true" if value else "false") if isinstance(value, bool) else (
-            str(value) if isinstance(value, int) else f'"{value}"')
-        lines.append(f'user_pref("{key}", {text});')
-    (profile / "user.js").write_text("\n".join(lines) + "\n")
+    write_firefox_prefs(profile, {**FIREFOX_DOH_PREFS, "network.trr.uri": doh})
     return profile
 
 

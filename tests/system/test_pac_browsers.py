@@ -14,10 +14,9 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 from meshgate.node import Node
-from tests.helpers import Metric, require_tool
+from tests.helpers import Metric, require_tool, write_firefox_prefs
 from tests.integration.test_http_proxy import CHROMIUM_FLAGS, SERVED, line, svc_of, url
 
 __all__ = ["line"]  # the fixture, imported to be used here
@@ -136,13 +135,7 @@ FIREFOX_PREFS = {
 
 def firefox_profile(directory: Path, pac: str) -> Path:
     directory.mkdir()
-    prefs: dict[str, Any] = {**FIREFOX_PREFS, "network.proxy.autoconfig_url": pac}
-    lines = []
-    for key, value in prefs.items():
-        text = ("true" if value else "false") if isinstance(value, bool) else (
-            str(value) if isinstance(value, int) else f'"{value}"')
-        lines.append(f'user_pref("{key}", {text});')
-    (directory / "user.js").write_text("\n".join(lines) + "\n")
+    write_firefox_prefs(directory, {**FIREFOX_PREFS, "network.proxy.autoconfig_url": pac})
     return directory
 
 
