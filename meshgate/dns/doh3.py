@@ -47,7 +47,15 @@ from meshgate.conns import MIN_REARM, IdleTimer
 from meshgate.dns.clients import ClientConns
 from meshgate.dns.doh import DohApp
 from meshgate.dns.doq import cap_bidi_streams
-from meshgate.dns.h2server import MAX_BODY, MAX_HEADER_LIST, Handler, Response, current_peer, request_head
+from meshgate.dns.h2server import (
+    MAX_BODY,
+    MAX_HEADER_LIST,
+    Handler,
+    Response,
+    current_peer,
+    handler_response,
+    request_head,
+)
 from meshgate.dns.listeners import Listener, bound_address
 from meshgate.dns.stats import ListenerStats
 from meshgate.logs import RateLimitedLog
@@ -252,13 +260,7 @@ class Doh3Protocol(QuicConnectionProtocol):
         task.add_done_callback(self.tasks.discard)
 
     async def _await(self, sid: int, pending: Awaitable[Response]) -> None:
-        try:
-            res = await pending
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._error("handler", "handler failed: %r", e)
-            res = (500, [], b"")
+        res = await handler_response(pending, self._error)
         self.running.discard(sid)
         if sid in self.cancelled:
             self.cancelled.discard(sid)

@@ -42,7 +42,7 @@ from meshgate.config import LimitsConfig
 from meshgate.conns import MIN_REARM, IdleTimer
 from meshgate.dns.clients import ClientConns, admit_client
 from meshgate.dns.h1wire import H1Continue, H1Error, H1Preface, H1Request, H1Wire
-from meshgate.dns.h2server import H2ServerProtocol, Handler, Response, current_peer
+from meshgate.dns.h2server import H2ServerProtocol, Handler, Response, current_peer, handler_response
 from meshgate.dns.listeners import serve_stream
 from meshgate.dns.stats import ListenerStats
 from meshgate.logs import RateLimitedLog
@@ -289,13 +289,7 @@ class H1ServerProtocol(asyncio.Protocol):
         task.add_done_callback(self.tasks.discard)
 
     async def _await(self, slot: _Slot, pending: Awaitable[Response]) -> None:
-        try:
-            res = await pending
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._error("handler", "handler failed: %r", e)
-            res = (500, [], b"")
+        res = await handler_response(pending, self._error)
         if self.transport is None:
             _drop(res[2])
             return

@@ -276,6 +276,19 @@ class _Stream:
         self.since = 0.0  # when its HEADERS came (for limits.doh_request_timeout)
 
 
+async def handler_response(pending: Awaitable[Response], on_error: Callable[..., None]) -> Response:
+    """A handler's answer that had to be awaited (the HTTP/1.1, HTTP/2 and HTTP/3 servers all
+    take it this way): a handler that raises answers 500, counted and logged by `on_error`
+    (reason, message, args)."""
+    try:
+        return await pending
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        on_error("handler", "handler failed: %r", e)
+        return (500, [], b"")
+
+
 def _body_len(body: Body) -> int:
     return body.length if isinstance(body, Buffer) else len(body)
 
@@ -531,13 +544,7 @@ class H2ServerProtocol(asyncio.Protocol):
         self._respond(sid, st, res)
 
     async def _await(self, sid: int, st: _Stream, pending: Awaitable[Response]) -> None:
-        try:
-            res = await pending
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._error("handler", "handler failed: %r", e)
-            res = (500, [], b"")
+        res = await handler_response(pending, self._error)
         st.running = False
         self._respond(sid, st, res)
         self._schedule_flush()

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -88,7 +89,7 @@ def answer_addresses(ans: wire.Answer) -> list[str]:
         # inet_ntop: RFC 5952 text (an IPv4-mapped one as ::ffff:a.b.c.d) at a tenth of ipaddress's cost
         return [socket.inet_ntop(socket.AF_INET if len(rd) == 4 else socket.AF_INET6, rd)
                 for _t, rd in wire.answer_addresses(ans)]
-    except Exception:  # struct.error, IndexError on a truncated stored answer: show none
+    except (struct.error, IndexError, ValueError):  # a truncated stored answer: show none
         return []
 
 

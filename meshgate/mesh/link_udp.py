@@ -636,16 +636,20 @@ class UdpListener:
         link = self.make_link(self.usock, addr)
         if link is None:
             return
-        while link.local_id in self.by_id:  # 1 in 2^32: draw again rather than shadow a session
-            link.session.local_id = int.from_bytes(os.urandom(4), "big") or 1
-        link.on_gone = self._gone
         link.on_up = self._up
-        link.on_roam = self._roamed
-        link.src = self._src_for(link, addr, src)
-        self.by_id[link.local_id] = link
+        self._register(link, addr, src)
         self.by_addr[addr] = link
         link.begin()
         link.datagram_received(packet)
+
+    def _register(self, link: UdpLink, addr: Any, src: Cmsg | None) -> None:
+        """A new session on this socket, accepted or dialed: demultiplexed by its id."""
+        while link.local_id in self.by_id:  # 1 in 2^32: draw again rather than shadow a session
+            link.session.local_id = int.from_bytes(os.urandom(4), "big") or 1
+        link.on_gone = self._gone
+        link.on_roam = self._roamed
+        link.src = self._src_for(link, addr, src)
+        self.by_id[link.local_id] = link
 
     def dial(self, addr: Any, make_link: LinkMaker, src: Cmsg | None = None) -> UdpLink | None:
         """An initiator link from this socket (NAT traversal: the socket whose mapping the far
@@ -656,12 +660,7 @@ class UdpListener:
         link = make_link(self.usock, addr)
         if link is None:
             return None
-        while link.local_id in self.by_id:
-            link.session.local_id = int.from_bytes(os.urandom(4), "big") or 1
-        link.on_gone = self._gone
-        link.on_roam = self._roamed
-        link.src = self._src_for(link, addr, src)
-        self.by_id[link.local_id] = link
+        self._register(link, addr, src)
         self.by_addr.setdefault(addr, link)
         link.begin()
         return link

@@ -344,8 +344,6 @@ class MeshService:
 
     def accept_udp(self, sock: link_udp.UdpSocket, addr: Any) -> link_udp.UdpLink | None:
         """A msg1 from a new source on a udp:// listener: a responder link, or None (dropped)."""
-        from meshgate.mesh import link_udp
-
         if len(self.pending) >= self.config.limits.max_pending_handshakes:
             # counted like a refused TCP accept, without building a session for it
             self.stats["handshake_failed"] += 1
@@ -353,8 +351,7 @@ class MeshService:
             _handshakes.labels("failed_too_many_pending").inc()
             _rlog.debug("pending", "too many pending mesh handshakes (limits.max_pending_handshakes)")
             return None
-        url = str(LinkUrl("udp", addr[0], addr[1]))
-        link = link_udp.UdpLink(self, url, False, sock, addr, self.config.limits)
+        link = self.make_udp_link(str(LinkUrl("udp", addr[0], addr[1])), False, sock, addr)
         self.pending.add(link)
         return link
 
@@ -1073,9 +1070,6 @@ class MeshService:
     def send_traversal(self, dst: int, body: bytes) -> bool:
         return self.send(TRAVERSAL, 0, dst, body)
 
-    def may_punch(self, nid: int) -> bool:
-        return self.traversal_allowed(nid)
-
     def make_udp_link(self, url: str, initiator: bool, sock: Any, addr: Any) -> link_udp.UdpLink:
         from meshgate.mesh import link_udp
 
@@ -1111,7 +1105,7 @@ class MeshService:
         for dst, pins in list(self._pinned.items()):
             keys = {k for k, via in pins.items() if via is link}
             if keys:
-                reset += self.mux.reset_peer(dst, NETWORK_UNREACHABLE, only=keys)
+                reset += self.mux.reset_streams(dst, NETWORK_UNREACHABLE, keys)
         if reset:
             self.stats["streams_reset_link_lost"] += reset
             log.info("mesh link %s lost with %d bytes not delivered: %d streams reset",
@@ -1253,14 +1247,14 @@ class MeshService:
                     "bytes_in": link.bytes_in,
                     "bytes_out": link.bytes_out,
                 })
-        return out + self.relayed()
+        return out + self._relayed_rows()
 
     def _path_word(self, link: LinkBase) -> str:
         if link.traversal_kind:
             return "direct (traversal, " + ("local" if link.traversal_kind == 1 else "reflexive") + ")"
         return "configured" if link in self._dialed.values() else "accepted"
 
-    def relayed(self) -> list[dict[str, Any]]:
+    def _relayed_rows(self) -> list[dict[str, Any]]:
         """Nodes this node has traffic with through a relay (punching state), for /peers."""
         if self.traversal is None:
             return []

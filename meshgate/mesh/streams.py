@@ -598,15 +598,12 @@ class StreamMux:
                 stream._lost(ConnectionResetError("mesh node unreachable"))
                 self.remove(stream)
 
-    def reset_peer(self, peer: int, code: int, keep: set[tuple[int, bool]] | None = None,
-                   only: set[tuple[int, bool]] | None = None) -> int:
-        """Reset the streams with `peer` ((sid, opened here) keys: all, or `only` these, but
-        never those in `keep`): each end hears it (RESET sent), so neither waits for bytes that
-        were lost. The count reset."""
+    def reset_streams(self, peer: int, code: int, only: set[tuple[int, bool]]) -> int:
+        """Reset these streams with `peer` ((sid, opened here) keys): each end hears it (RESET
+        sent), so neither waits for bytes that were lost. The count reset."""
         n = 0
         for key, stream in list(self.streams.items()):
-            sk = (key[1], key[2])
-            if key[0] != peer or (keep is not None and sk in keep) or (only is not None and sk not in only):
+            if key[0] != peer or (key[1], key[2]) not in only:
                 continue
             fut = self._opening.pop(key, None)
             if fut is not None and not fut.done():

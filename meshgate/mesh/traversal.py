@@ -243,13 +243,19 @@ class Pair:
         return self.started < 0 and now >= self.not_before
 
     def start(self, now: float) -> None:
-        self.started = now
-        self.next_round = 0
+        """A new attempt: what the last one learned is forgotten."""
+        self.candidates.clear()
+        self.rounds_from(now)
         self.answered = None
         self.answered_kind = 0
         self.dialed = False
         self.heard = False
         self.tx.clear()
+
+    def rounds_from(self, now: float) -> None:
+        """Probe rounds from `now` (the moment the peer's endpoints arrived)."""
+        self.started = now
+        self.next_round = 0
 
     def due_rounds(self, now: float) -> int:
         """How many probe rounds are due at `now` (each sends to every candidate)."""

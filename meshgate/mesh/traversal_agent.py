@@ -35,6 +35,7 @@ import socket
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
@@ -103,7 +104,7 @@ class TraversalHost(Protocol):
     def peer_key(self, nid: int) -> bytes | None: ...
     def inside_mesh(self, host: str) -> bool: ...
     def send_traversal(self, dst: int, body: bytes) -> bool: ...
-    def may_punch(self, nid: int) -> bool: ...
+    traversal_allowed: Callable[[int], bool]  # [[acl]]: may this node punch with that one?
     def make_udp_link(self, url: str, initiator: bool, sock: Any, addr: Any) -> UdpLink: ...
 
 
@@ -248,7 +249,7 @@ class TraversalAgent:
         now = self.host.loop.time()
         if not pair.can_start(now) or peer in self.host.links:
             return
-        if not self.host.may_punch(peer):
+        if not self.host.traversal_allowed(peer):
             pair.not_before = now + self.backoff_max
             self._count("refused_acl")
             return
@@ -258,8 +259,7 @@ class TraversalAgent:
             return
         _attempts.inc()
         self._count("attempts")
-        pair.start(now)
-        pair.candidates.clear()  # nothing to probe until the callee's endpoints arrive
+        pair.start(now)  # nothing to probe until the callee's endpoints arrive
         self._arm(now)
 
     def on_call(self, src: int, body: memoryview) -> None:
@@ -272,7 +272,7 @@ class TraversalAgent:
         if src in self.host.links:
             self._count("call_while_direct")
             return
-        if not self.host.may_punch(src):
+        if not self.host.traversal_allowed(src):
             self._drop("acl", f"node {src:08x}")
             return
         pair = self.pairs.get(src)
@@ -287,15 +287,14 @@ class TraversalAgent:
         elif pair.started < 0:
             self._drop("unexpected_call", f"node {src:08x}")
             return
-        pair.candidates.clear()
         inside = [ep for _kind, ep in endpoints if self.host.inside_mesh(ep[0])]
         if inside:
             self._drop("mesh_address", f"node {src:08x}")  # a link there would run inside the mesh
+        # added to what the attempt has (a ping from the peer may have come first: its address)
         pair.learn((k, ep) for k, ep in endpoints if ep not in inside)
         # the moment: both ends probe now; the first round at a low TTL, the next ones after
         # one relayed trip, when the far end has opened its own mapping
-        pair.started = now
-        pair.next_round = 0
+        pair.rounds_from(now)
         self._probe_rounds(pair, now)
         self._arm(now)
 

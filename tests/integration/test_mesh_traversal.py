@@ -148,12 +148,15 @@ async def test_traversal_off_never_probes() -> None:
                        for k in ("discovery_pings", "pongs_out", "probes_out"))
 
         before = REGISTRY.value("meshgate_mesh_traversal_probes_total", "out") - sent_by_others()
+        calls_dropped = REGISTRY.value("meshgate_mesh_frames_dropped_total", "traversal_off")
         data = os.urandom(1 << 20)
         for _ in range(3):
             assert await _sha(a, c, port, data) == hashlib.sha256(data).digest()
             assert await _sha(c, a, port, data) == hashlib.sha256(data).digest()
-        await asyncio.sleep(0)
-        # c calls a (its traffic is relayed), but a neither answers nor probes
+        # c calls a (its traffic is relayed); a drops the call, and neither answers nor probes
+        await async_wait_until(
+            lambda: REGISTRY.value("meshgate_mesh_frames_dropped_total", "traversal_off") > calls_dropped,
+            5, "a dropping c's call")
         assert not _direct(a, c)
         assert c.traversal.stats.get("attempts", 0) >= 1 and c.traversal.stats.get("probes_out", 0) == 0
         assert REGISTRY.value("meshgate_mesh_traversal_probes_total", "out") - sent_by_others() == before
@@ -200,12 +203,8 @@ async def test_forged_probes_and_calls_are_dropped_and_counted() -> None:
         sock.settimeout(2)
         answer, _ = sock.recvfrom(2048)  # the one genuine ping got its pong
         assert answer[0] == 0x20
-        sock.settimeout(0.2)
-        try:
-            extra = sock.recvfrom(2048)
-        except TimeoutError:
-            extra = None
-        assert extra is None  # nothing answered the forged, replayed or stale ones
+        # and it was the only pong: nothing answered the forged, replayed or stale ones
+        assert c.traversal.stats.get("pongs_out", 0) == 1
 
         # a relay forging a call in a's name: unsealed, so dropped as such; nothing learned
         before = c.stats["e2e_dropped_unsealed_relayed"]
