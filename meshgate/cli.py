@@ -276,7 +276,7 @@ def cmd_ca(args: argparse.Namespace) -> int:
         elif args.ca_command == "sign":
             cert = authority.sign(
                 Path(args.ca), name=args.name, public=args.pub, ip=args.ip, ip6=args.ip6,
-                cidrs=tuple(args.cidr or ()), exit=args.exit,
+                cidrs=tuple(args.cidr or ()), exit=args.exit, dns=tuple(args.dns or ()),
                 groups=tuple(g for g in (args.groups or "").split(",") if g),
                 valid=authority.parse_duration(args.valid),
             )
@@ -618,6 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("--cidr", action="append", metavar="CIDR|REAL->MAPPED",
                     help="a proxy CIDR it may advertise")
     cs.add_argument("--exit", action="store_true", help="it may offer itself as an exit node")
+    cs.add_argument("--dns", action="append", metavar="SUFFIX",
+                    help="a DNS suffix it may answer for the mesh (dns.serve_suffixes), e.g. lan.example.")
     cs.add_argument("--groups", metavar="a,b")
     cs.add_argument("--valid", default="90d")
     cs.add_argument("--out", required=True, metavar="FILE")

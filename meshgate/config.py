@@ -251,6 +251,10 @@ class DnsConfig:
     routes: tuple[DnsRouteConfig, ...] = ()  # split DNS: the longest matching suffix wins
     blocklist: DnsBlocklistConfig = DnsBlocklistConfig()
     query_log: DnsQueryLogConfig = DnsQueryLogConfig()
+    # suffixes this node answers for the whole mesh: its signed record carries them and every
+    # other node forwards those names here over the mesh (dns/mesh_dns.py)
+    serve_suffixes: tuple[str, ...] = ()
+    mesh_routes: bool = True  # forward names under other nodes' serve_suffixes to them
 
 
 @dataclass(frozen=True)
@@ -727,7 +731,7 @@ def _normalize_zone(zone: str) -> str:
     return zone.lower().rstrip(".") + "."
 
 
-def _route_suffix(value: object) -> str:
+def dns_suffix(value: object) -> str:
     s = _parse_nonempty_str(value)
     name = _normalize_zone(s.strip())
     if name == ".":
@@ -805,6 +809,28 @@ QUERY_LOG_KEEP_MAX = 100
 QUERY_LOG_CLIENT_IP = ("full", "anonymized", "none")
 
 
+MAX_SERVE_SUFFIXES = 16  # what a route record carries (mesh/routing.py)
+
+
+def _read_serve_suffixes(
+    r: _Reader, d: Mapping[str, Any], zone: str, base: tuple[str, ...]
+) -> tuple[str, ...]:
+    if "serve_suffixes" not in d:
+        return base
+    got = r.items(d, "dns.", "serve_suffixes", dns_suffix) or ()
+    out: list[str] = []
+    for suffix in got:
+        if suffix == zone or suffix.endswith("." + zone) or zone.endswith("." + suffix):
+            r.problem("dns.serve_suffixes",
+                      f"{suffix!r} overlaps dns.zone {zone!r}: every node answers the mesh zone")
+        elif suffix not in out:
+            out.append(suffix)
+    if len(out) > MAX_SERVE_SUFFIXES:
+        r.problem("dns.serve_suffixes", f"{len(out)} suffixes: at most {MAX_SERVE_SUFFIXES}")
+        return base
+    return tuple(out)
+
+
 def _read_routes(r: _Reader, d: Mapping[str, Any], zone: str) -> list[DnsRouteConfig]:
     raw_routes = d["route"]
     if not isinstance(raw_routes, list):
@@ -820,7 +846,7 @@ def _read_routes(r: _Reader, d: Mapping[str, Any], zone: str) -> list[DnsRouteCo
         r.table(raw, prefix, ["suffix", "upstreams"])
         if "suffix" not in raw:
             r.problem(f"{prefix}suffix", "required: the domain whose names go to this route's upstreams")
-        suffix = r.value(raw, prefix, "suffix", _route_suffix, "")
+        suffix = r.value(raw, prefix, "suffix", dns_suffix, "")
         upstreams = r.items(raw, prefix, "upstreams", _upstream)
         if "upstreams" not in raw or (upstreams is not None and not raw["upstreams"]):
             r.problem(f"{prefix}upstreams", "required: a list of one or more upstream URLs")
@@ -934,7 +960,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
 
     d = _section(r, raw, "dns")
     r.table(d, "dns.", ["zone", "upstreams", "cache_size", "records", "listener", "workers", "route",
-                          "blocklist", "query_log"])
+                          "blocklist", "query_log", "serve_suffixes", "mesh_routes"])
     records_raw = d.get("records", {})
     records: list[tuple[str, str]] = []
     if not isinstance(records_raw, dict):
@@ -966,6 +992,8 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         routes=tuple(_read_routes(r, d, zone)) if "route" in d else base.dns.routes,
         blocklist=_read_blocklist(r, d, base.dns.blocklist) if "blocklist" in d else base.dns.blocklist,
         query_log=_read_query_log(r, d, base.dns.query_log) if "query_log" in d else base.dns.query_log,
+        serve_suffixes=_read_serve_suffixes(r, d, zone, base.dns.serve_suffixes),
+        mesh_routes=r.value(d, "dns.", "mesh_routes", _parse_bool, base.dns.mesh_routes),
     )
 
     tun = r.dataclass_fields(_section(r, raw, "tun"), "tun.", base.tun)

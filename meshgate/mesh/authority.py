@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshgate.config import parse_proxy_cidr
+from meshgate.config import dns_suffix, parse_proxy_cidr
 from meshgate.mesh import certs
 from meshgate.mesh.certs import CertError, Certificate, RevocationList
 from meshgate.mesh.identity import fingerprint, node_id_of, parse_public
@@ -90,7 +90,7 @@ def load_ca(ca_dir: Path) -> tuple[Ed25519PrivateKey, Certificate]:
 def sign(
     ca_dir: Path, *, name: str, public: str, ip: str, ip6: str | None = None,
     cidrs: tuple[str, ...] = (), exit: bool = False, groups: tuple[str, ...] = (),
-    valid: int = 90 * 86400, now: int | None = None,
+    dns: tuple[str, ...] = (), valid: int = 90 * 86400, now: int | None = None,
 ) -> Certificate:
     now = int(time.time()) if now is None else now
     key, ca = load_ca(ca_dir)
@@ -117,6 +117,12 @@ def sign(
         except ValueError as e:
             raise AuthorityError(f"--cidr {c!r}: {e}") from None
         granted.append((pc.advertised, pc.mapped is not None))
+    suffixes = []
+    for d in dns:
+        try:
+            suffixes.append(dns_suffix(d))
+        except ValueError as e:
+            raise AuthorityError(f"--dns {d!r}: {e}") from None
     if any(c in name for c in ". /") or not name:
         raise AuthorityError(f"--name {name!r}: a DNS label (no dots, spaces or slashes)")
     not_after = min(now + valid, ca.not_after)
@@ -124,7 +130,7 @@ def sign(
         return certs.issue(
             key, hashlib.sha256(ca.raw).digest(), kind=certs.KIND_NODE, network=ca.network, name=name,
             public=pub, not_before=now - 60, not_after=not_after, ipv4=ipv4, ipv6=ipv6,
-            cidrs=tuple(granted), exit=exit, groups=groups,
+            cidrs=tuple(granted), exit=exit, groups=groups, dns=tuple(suffixes),
         )
     except CertError as e:
         raise AuthorityError(str(e)) from None
@@ -199,6 +205,7 @@ def describe(text: str) -> str:
             "  cidrs:       " + (", ".join(f"{n}{' (mapped)' if m else ''}" for n, m in cert.cidrs) or "-"),
             f"  exit:        {'yes' if cert.exit else 'no'}",
             "  groups:      " + (", ".join(cert.groups) or "-"),
+            "  dns:         " + (", ".join(cert.dns) or "-"),
             f"  issuer:      {cert.issuer.hex()}",
         ]
     return "\n".join(lines)

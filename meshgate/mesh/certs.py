@@ -32,12 +32,14 @@ REVOCATION_MAGIC = b"MGR1"
 KIND_CA = 1
 KIND_NODE = 2
 _F_EXIT = 0x01
+_F_DNS = 0x02  # DNS suffix grants follow the groups (certificates before this never set it)
 NO_KEY = bytes(32)
 SIG_LEN = 64
 MAX_CERT = 4096
 MAX_LABEL = 63
 MAX_GROUPS = 32
 MAX_CIDRS = 64
+MAX_DNS = 16
 MAX_REVOKED = 16384
 
 CERT_LABEL = "MESHGATE CERTIFICATE"
@@ -110,6 +112,13 @@ class _Reader:
             raise CertError("malformed", "a name is too long or not printable")
         return s
 
+    def suffix(self) -> str:
+        """A granted DNS suffix: printable ASCII, lowercase, one trailing dot."""
+        raw = self.take(self.u8())
+        if not (raw.isascii() and raw.endswith(b".") and raw == raw.lower() and raw.decode().isprintable()):
+            raise CertError("malformed", "a DNS suffix grant is not a lowercase name with a trailing dot")
+        return raw.decode()
+
     def iface(self, size: int) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface | None:
         if not self.u8():
             return None
@@ -156,6 +165,7 @@ class Certificate:
     issuer: bytes  # the issuing CA certificate's fingerprint (raw 32 bytes); NO_KEY on a CA
     signature: bytes
     raw: bytes
+    dns: tuple[str, ...] = ()  # DNS suffixes it may answer for the mesh (dns.serve_suffixes)
 
     @property
     def public(self) -> bytes:
@@ -176,16 +186,22 @@ class Certificate:
             for g, m in self.cidrs
         )
 
+    def grants_dns(self, suffix: str) -> bool:
+        """A granted suffix covers itself and every name under it (label boundaries)."""
+        return any(suffix == g or suffix.endswith("." + g) for g in self.dns)
+
 
 def _cert_body(
     kind: int, network: str, name: str, signing_key: bytes, dh_key: bytes, not_before: int,
     not_after: int, ipv4: ipaddress.IPv4Interface | None, ipv6: ipaddress.IPv6Interface | None,
     cidrs: tuple[tuple[IPNetwork, bool], ...], exit: bool, groups: tuple[str, ...], issuer: bytes,
+    dns: tuple[str, ...] = (),
 ) -> bytes:
-    if len(cidrs) > MAX_CIDRS or len(groups) > MAX_GROUPS:
-        raise CertError("malformed", f"at most {MAX_CIDRS} CIDRs and {MAX_GROUPS} groups")
+    if len(cidrs) > MAX_CIDRS or len(groups) > MAX_GROUPS or len(dns) > MAX_DNS:
+        raise CertError("malformed",
+                        f"at most {MAX_CIDRS} CIDRs, {MAX_GROUPS} groups and {MAX_DNS} DNS suffixes")
     out = bytearray(CERT_MAGIC)
-    out += bytes((kind, _F_EXIT if exit else 0))
+    out += bytes((kind, (_F_EXIT if exit else 0) | (_F_DNS if dns else 0)))
     _put_text(out, network)
     _put_text(out, name)
     out += signing_key + dh_key
@@ -200,6 +216,12 @@ def _cert_body(
     out.append(len(groups))
     for g in groups:
         _put_text(out, g)
+    if dns:
+        out.append(len(dns))
+        for suffix in dns:  # names up to 254 bytes, so not _put_text's 63
+            raw = suffix.encode("ascii")
+            out.append(len(raw))
+            out += raw
     out += issuer
     return bytes(out)
 
@@ -208,11 +230,11 @@ def issue(
     signer: Ed25519PrivateKey, issuer: bytes, *, kind: int, network: str, name: str, public: bytes,
     not_before: int, not_after: int, ipv4: ipaddress.IPv4Interface | None = None,
     ipv6: ipaddress.IPv6Interface | None = None, cidrs: tuple[tuple[IPNetwork, bool], ...] = (),
-    exit: bool = False, groups: tuple[str, ...] = (),
+    exit: bool = False, groups: tuple[str, ...] = (), dns: tuple[str, ...] = (),
 ) -> Certificate:
     """Sign a certificate. A CA's own: kind=KIND_CA, public = its signing key + NO_KEY, issuer NO_KEY."""
     body = _cert_body(kind, network, name, public[:32], public[32:], not_before, not_after, ipv4,
-                      ipv6, cidrs, exit, groups, issuer)
+                      ipv6, cidrs, exit, groups, issuer, dns)
     return parse_certificate(body + signer.sign(body))
 
 
@@ -226,7 +248,7 @@ def parse_certificate(raw: bytes) -> Certificate:
         if r.take(4) != CERT_MAGIC:
             raise CertError("malformed", "not a meshgate certificate")
         kind, flags = r.u8(), r.u8()
-        if kind not in (KIND_CA, KIND_NODE) or flags & ~_F_EXIT:
+        if kind not in (KIND_CA, KIND_NODE) or flags & ~(_F_EXIT | _F_DNS):
             raise CertError("malformed", "unknown certificate kind or flags")
         network, name = r.text(), r.text()
         signing_key, dh_key = r.take(32), r.take(32)
@@ -246,6 +268,9 @@ def parse_certificate(raw: bytes) -> Certificate:
                               else ipaddress.IPv4Network((addr, plen), strict=False))
             cidrs.append((net, bool(k & 0x02)))
         groups = tuple(r.text() for _ in range(r.u8()))
+        dns = tuple(r.suffix() for _ in range(r.u8())) if flags & _F_DNS else ()
+        if flags & _F_DNS and not 0 < len(dns) <= MAX_DNS:
+            raise CertError("malformed", f"1-{MAX_DNS} DNS suffixes")
         issuer = r.take(32)
         signature = r.take(SIG_LEN)
     except ValueError as e:  # CertError is one; ipaddress raises the others
@@ -257,7 +282,8 @@ def parse_certificate(raw: bytes) -> Certificate:
     if len(cidrs) > MAX_CIDRS or len(groups) > MAX_GROUPS:
         raise CertError("malformed", "too many CIDRs or groups")
     return Certificate(kind, network, name, signing_key, dh_key, not_before, not_after,
-                       ipv4, ipv6, tuple(cidrs), bool(flags & _F_EXIT), groups, issuer, signature, raw)  # type: ignore[arg-type]
+                       ipv4, ipv6, tuple(cidrs), bool(flags & _F_EXIT), groups, issuer, signature, raw,  # type: ignore[arg-type]
+                       dns)
 
 
 def load_certificate_text(text: str) -> Certificate:

@@ -49,6 +49,8 @@ _NEIGH = struct.Struct("!II")  # neighbour id, latency µs
 _F_EXIT = 0x01
 _F_V4 = 0x02
 _F_V6 = 0x04
+_F_DNS = 0x08  # DNS suffixes follow the certificate (dns.serve_suffixes; PROTOCOL.md section 4)
+MAX_DNS_SUFFIXES = 16
 
 
 class RecordError(ValueError):
@@ -69,12 +71,13 @@ class Record:
     key: bytes = b""  # the origin's public key (identity.py), 64 bytes
     cert: bytes = b""  # the origin's node certificate (certificate mode), else empty
     signature: bytes = b""  # the origin's Ed25519 signature of `signed_part`
+    dns: tuple[str, ...] = ()  # DNS suffixes the origin answers for (lowercase, trailing dot)
 
     def same_content(self, other: Record) -> bool:
         return (
             self.name == other.name and self.ipv4 == other.ipv4 and self.ipv6 == other.ipv6
             and self.cidrs == other.cidrs and self.exit == other.exit and self.neighbours == other.neighbours
-            and self.key == other.key and self.cert == other.cert
+            and self.key == other.key and self.cert == other.cert and self.dns == other.dns
         )
 
     def encode(self) -> bytes:
@@ -90,6 +93,8 @@ class Record:
         """Everything but the signature: what the origin signs."""
         name = self.name.encode()[:255]
         flags = (_F_EXIT if self.exit else 0) | (_F_V4 if self.ipv4 else 0) | (_F_V6 if self.ipv6 else 0)
+        if self.dns:
+            flags |= _F_DNS
         out = bytearray(_HEAD.pack(self.origin, self.session, self.version, flags, len(name)))
         out += name
         if self.ipv4:
@@ -108,6 +113,12 @@ class Record:
         out += self.key
         out += len(self.cert).to_bytes(2, "big")
         out += self.cert
+        if self.dns:  # behind a flag: a record without suffixes is what nodes before this send
+            out.append(len(self.dns))
+            for suffix in self.dns:
+                raw = suffix.encode("ascii")
+                out.append(len(raw))
+                out += raw
         return bytes(out)
 
 
@@ -154,6 +165,19 @@ def decode_record(data: bytes | memoryview, pos: int = 0) -> tuple[Record, int]:
         pos += 2 + clen
         if len(cert) != clen:
             raise RecordError("truncated certificate")
+        dns: list[str] = []
+        if flags & _F_DNS:
+            count = data[pos]
+            if not 0 < count <= MAX_DNS_SUFFIXES:
+                raise RecordError(f"{count} DNS suffixes (1-{MAX_DNS_SUFFIXES})")
+            pos += 1
+            for _ in range(count):
+                n = data[pos]
+                raw = bytes(data[pos + 1 : pos + 1 + n])
+                if len(raw) != n:
+                    raise RecordError("truncated DNS suffix")
+                dns.append(_dns_suffix(raw))
+                pos += 1 + n
         slen = data[pos]
         signature = bytes(data[pos + 1 : pos + 1 + slen])
         pos += 1 + slen
@@ -163,9 +187,23 @@ def decode_record(data: bytes | memoryview, pos: int = 0) -> tuple[Record, int]:
         raise RecordError("truncated record")
     return (
         Record(origin, session, version, name, ipv4, ipv6, tuple(cidrs), bool(flags & _F_EXIT),
-               tuple(sorted(neighbours)), key, cert, signature),
+               tuple(sorted(neighbours)), key, cert, signature, tuple(dns)),
         pos,
     )
+
+
+def _dns_suffix(raw: bytes) -> str:
+    """A suffix as a record carries it: ASCII, lowercase, one trailing dot, labels of 1-63
+    bytes (what config accepts for dns.serve_suffixes); RecordError for anything else."""
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise RecordError("DNS suffix not ASCII") from None
+    labels = text[:-1].split(".")
+    if (not text.endswith(".") or text != text.lower() or len(text) > 254
+            or any(not 1 <= len(label) <= 63 or not label.isprintable() or " " in label for label in labels)):
+        raise RecordError(f"bad DNS suffix {text!r}")
+    return text
 
 
 def encode_records(records: Iterable[Record], max_size: int) -> list[bytes]:

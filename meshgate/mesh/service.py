@@ -165,7 +165,7 @@ class MeshService:
         self.session = int.from_bytes(os.urandom(4), "big")
         self.name = own_cert.name if own_cert is not None else config.node.name
         cidrs = cidr_claims(config.mesh)
-        check_own_claims(self.trust, config.node, cidrs, config.mesh.exit_node)
+        check_own_claims(self.trust, config.node, cidrs, config.mesh.exit_node, config.dns.serve_suffixes)
         self._own_cert_raw = own_cert.raw if own_cert is not None else b""
         self._revocation_watch = FileWatch(config.node.revocation_list)
         self.peer_identity: dict[LinkBase, PeerIdentity] = {}
@@ -191,6 +191,7 @@ class MeshService:
             exit=config.mesh.exit_node,
             key=identity.public,
             cert=self._own_cert_raw,
+            dns=config.dns.serve_suffixes,
         )
         self.table = RouteTable(
             local, max_records=limits.route_records, expiry=limits.mesh_route_expiry,

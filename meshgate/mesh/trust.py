@@ -174,12 +174,14 @@ def grants(cert: Certificate, rec: Record) -> bool:
         return False
     if rec.exit and not cert.exit:
         return False
+    if not all(cert.grants_dns(s) for s in rec.dns):
+        return False
     return all(cert.grants_cidr(net, mapped) for net, mapped in rec.cidrs)
 
 
 def own_claims_granted(
     cert: Certificate, ipv4: ipaddress.IPv4Interface | None, ipv6: ipaddress.IPv6Interface | None,
-    cidrs: tuple[tuple[certs.IPNetwork, bool], ...], exit: bool,
+    cidrs: tuple[tuple[certs.IPNetwork, bool], ...], exit: bool, dns: tuple[str, ...] = (),
 ) -> list[str]:
     """What the node's own config claims beyond its certificate (config keys), for start-up.
     The name is not among them: in certificate mode the mesh knows a node by its certificate's."""
@@ -193,4 +195,7 @@ def own_claims_granted(
             out.append(f"mesh.proxy_cidrs {net} (not in the certificate)")
     if exit and not cert.exit:
         out.append("mesh.exit_node (the certificate has no exit grant)")
+    for suffix in dns:
+        if not cert.grants_dns(suffix):
+            out.append(f"dns.serve_suffixes {suffix} (not in the certificate)")
     return out

@@ -64,11 +64,11 @@ def load_trust(node: NodeConfig, identity: Identity, state_dir: Path, now: int) 
 
 
 def check_own_claims(trust: Trust, node: NodeConfig, cidrs: tuple[tuple[certs.IPNetwork, bool], ...],
-                     exit: bool) -> None:
+                     exit: bool, dns: tuple[str, ...] = ()) -> None:
     own = trust.own_cert
     if own is None:
         return
-    beyond = own_claims_granted(own, node.ipv4, node.ipv6, cidrs, exit)
+    beyond = own_claims_granted(own, node.ipv4, node.ipv6, cidrs, exit, dns)
     if beyond:
         raise StartupError(f"node.certificate: {node.certificate} does not grant " + "; ".join(beyond))
 
