@@ -324,6 +324,11 @@ class RouteTable:
         self.exit_nodes = exit_nodes
         self.records: dict[int, Record] = {local.origin: local}
         self.refused = 0  # records `accept` dropped
+        # what this table did, for benchmarks and tests (bench/mesh_scale.py): records received
+        # (every copy), records vetted by `accept` (a signature check each), graph builds
+        self.records_rx = 0
+        self.records_verified = 0
+        self.builds = 0
         self._unchecked: dict[int, list[tuple[Record, int]]] = {}  # origin -> [(record, from)], newest first
         self._sync: dict[int, _NeighbourSync] = {}
         self._unreachable_since: dict[int, float] = {}
@@ -375,7 +380,9 @@ class RouteTable:
         acks: list[tuple[int, int]] = []
         fresh: list[Record] = []
         sync = self._sync.get(from_nid)
-        for origin, session, version, enc in split_records(body):
+        split = split_records(body)
+        self.records_rx += len(split)
+        for origin, session, version, enc in split:
             old = self.records.get(origin)
             held = old is not None and (version, session) <= (old.version, old.session)
             if held and origin != self.node_id:
@@ -469,6 +476,7 @@ class RouteTable:
                 if old is None and len(self.records) >= self.max_records:
                     _dropped.labels("table_full").inc()
                     break
+                self.records_verified += 1
                 reason = self._accept(rec, old)
                 if reason is None:
                     self._store(rec, old)
@@ -561,6 +569,7 @@ class RouteTable:
             return False
         self.dirty = False
         _builds.inc()
+        self.builds += 1
         recs = self.records
         me = self.node_id
         listed = {o: {n for n, _ in r.neighbours} for o, r in recs.items()}

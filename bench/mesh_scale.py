@@ -1,0 +1,337 @@
+"""Mesh scale and idle cost: N nodes spread over P processes, tcp:// links on loopback.
+
+Each host process (this script with --host) runs its share of the N nodes as
+MeshService instances on one uvloop loop; node i goes to process i % P, so most
+links cross processes. The topology is bench/mesh.py's random_graph (a random
+tree plus extra links, mean degree 3): node i dials its lower-numbered
+neighbours. Per round the coordinator reports:
+
+* **converge_s**: from the moment every host got its peers to the moment the
+  last node has a route to all N (hosts report CLOCK_MONOTONIC, shared by the
+  processes of one machine); `cpu_s/node` the CPU every host spent meanwhile,
+  per node; `records_rx/node` the route records received per node (every copy,
+  held or new) and `verified/node` those whose signature was checked.
+* **idle** (after the mesh stood still for --settle seconds, over --idle
+  seconds): `%core/node` (host CPU / nodes / seconds), `B/s/link` the bytes one
+  direction of a link carries (the link layer's count: sealed records, no
+  TCP/IP headers), `records/s/node` route records received, `versions/s/node`
+  own records originated, `builds/s/node` route graph builds.
+* **memory**: `rss_MiB/node` (the hosts' RSS after convergence less their RSS
+  before any node started, per node) and `table_MiB/node` (a deep size of node
+  0's RouteTable in each host, mean over hosts: records, per-neighbour sync
+  state, paths, lookup tables).
+
+    .venv/bin/python bench/mesh_scale.py --nodes 100 --procs 4 [--rounds 1] [--ab REF] [--json F]
+
+With `--ab REF` the hosts of a second variant import meshgate as of git REF
+(bench/common.git_tree) and the two alternate per round. The machine bounds
+what this shows: every node checks every other node's record signature once
+per version (~0.1 ms each), so a cold start of N nodes costs ~N^2 x 0.1 ms of
+CPU shared by however many cores the machine has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import ipaddress
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+if os.environ.get("MESHGATE_TREE"):  # an --ab host: meshgate as of another commit
+    sys.path.insert(0, os.environ["MESHGATE_TREE"])
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(1 if os.environ.get("MESHGATE_TREE") else 0, str(ROOT))
+
+HOST_TIMEOUT = 600.0
+
+
+# --------------------------------------------------------------------------- host (child process)
+
+
+def deep_size(obj: object) -> int:
+    """Bytes of `obj` and everything it holds (containers, dataclass and slotted objects),
+    each object once; functions, classes and modules are not followed (shared code)."""
+    seen: set[int] = set()
+    stack = [obj]
+    total = 0
+    skip = (type, type(deep_size), type(sys), type(print), type(len.__call__))
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, skip) or callable(o):
+            continue
+        seen.add(id(o))
+        total += sys.getsizeof(o)
+        if isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif isinstance(o, (str, bytes, int, float, bool)) or o is None:
+            continue
+        else:
+            d = getattr(o, "__dict__", None)
+            if d is not None:
+                stack.append(d)
+            for cls in type(o).__mro__:
+                for slot in getattr(cls, "__slots__", ()):
+                    if hasattr(o, slot):
+                        stack.append(getattr(o, slot))
+    return total
+
+
+def table_size(table: Any) -> int:
+    """The RouteTable's own data (not the callables it was given, nor the loop)."""
+    parts = [v for k, v in vars(table).items() if k not in ("_sign", "_accept")]
+    return deep_size(parts)
+
+
+def rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class Host:
+    """One host process: its share of the nodes, driven by JSON lines on stdin."""
+
+    def __init__(self, n: int, indices: list[int], out: IO[str]) -> None:
+        self.n = n
+        self.indices = indices
+        self.out = out
+        self.nodes: list[Any] = []
+        self.base_rss = rss_kib()
+
+    def say(self, **msg: Any) -> None:
+        self.out.write(json.dumps(msg) + "\n")
+        self.out.flush()
+
+    async def start(self) -> None:
+        from meshgate.config import from_dict as config_from_dict
+        from meshgate.mesh.identity import Identity
+        from meshgate.mesh.service import MeshService
+
+        for i in self.indices:
+            ip = ipaddress.IPv4Address(0x0A000001 + i)
+            cfg = config_from_dict({
+                "node": {"name": f"n{i}", "network": "scale", "secret": "scale bench", "ipv4": f"{ip}/8"},
+                "mesh": {"listen": ["tcp://127.0.0.1:0"], "peers": [], "traversal": False},
+                "limits": {"route_records": max(4096, 2 * self.n), "max_peers": 256},
+            })
+            svc = MeshService(cfg, identity=Identity.generate())
+            await svc.start()
+            self.nodes.append(svc)
+        self.say(ports=[int(s.listen_addrs[0].rsplit(":", 1)[1]) for s in self.nodes])
+
+    def set_peers(self, peers: dict[str, list[int]]) -> None:
+        from meshgate.config import LinkUrl
+
+        for svc, i in zip(self.nodes, self.indices, strict=True):
+            urls = tuple(LinkUrl("tcp", "127.0.0.1", port) for port in peers.get(str(i), []))
+            svc.set_peers(urls)
+
+    def counters(self) -> dict[str, float]:
+        links = [link for svc in self.nodes for ls in svc.links.values() for link in ls]
+        out = {
+            "cpu_s": cpu_s(),
+            "bytes_out": float(sum(link.bytes_out for link in links)),
+            "links": float(len(links)),
+            "versions": float(sum(svc.table.local.version for svc in self.nodes)),
+        }
+        for key in ("records_rx", "records_verified", "builds"):
+            out[key] = float(sum(getattr(svc.table, key, 0) for svc in self.nodes))
+        return out
+
+    async def watch(self) -> None:
+        """Report once when every node of this host reaches all N."""
+        while True:
+            if all(len(svc.table.hop_paths) >= self.n for svc in self.nodes):
+                self.say(converged_at=time.monotonic(), **self.counters())
+                return
+            await asyncio.sleep(0.02)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        await self.start()
+        watcher: asyncio.Task[None] | None = None
+        while line := await reader.readline():
+            cmd = json.loads(line)
+            op = cmd["op"]
+            if op == "peers":
+                self.set_peers(cmd["peers"])
+                watcher = asyncio.ensure_future(self.watch())
+            elif op == "counters":
+                self.say(**self.counters())
+            elif op == "memory":
+                gc.collect()
+                self.say(rss_kib=rss_kib() - self.base_rss, table_bytes=table_size(self.nodes[0].table))
+            elif op == "stop":
+                break
+        if watcher is not None:
+            watcher.cancel()
+        await asyncio.gather(*(s.stop() for s in self.nodes), return_exceptions=True)
+
+
+def host_main(n: int, indices: list[int]) -> None:
+    import logging
+
+    import uvloop
+
+    # the coordinator reads stdout; anything the nodes log goes to stderr, kept quiet
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    uvloop.run(Host(n, indices, sys.stdout).run())
+
+
+# --------------------------------------------------------------------------- coordinator
+
+
+class Hosts:
+    """P host processes for one N-node mesh of one variant."""
+
+    def __init__(self, n: int, procs: int, tree: Path | None) -> None:
+        self.n = n
+        self.procs = procs
+        env = dict(os.environ)
+        if tree is not None:
+            env["MESHGATE_TREE"] = str(tree)
+        self.children: list[subprocess.Popen[str]] = []
+        self.shares = [list(range(p, n, procs)) for p in range(procs)]
+        for share in self.shares:
+            self.children.append(subprocess.Popen(
+                [sys.executable, __file__, "--host", str(n), ",".join(map(str, share))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+            ))
+        self.ports: dict[int, int] = {}
+        for share, child in zip(self.shares, self.children, strict=True):
+            msg = self.read(child)
+            self.ports.update(zip(share, msg["ports"], strict=True))
+
+    @staticmethod
+    def read(child: subprocess.Popen[str]) -> dict[str, Any]:
+        assert child.stdout is not None
+        line = child.stdout.readline()  # a host that died reads as EOF: fail, not hang
+        if not line:
+            raise RuntimeError(f"host process exited ({child.poll()})")
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def send(self, child: subprocess.Popen[str], **cmd: Any) -> None:
+        assert child.stdin is not None
+        child.stdin.write(json.dumps(cmd) + "\n")
+        child.stdin.flush()
+
+    def ask(self, op: str) -> list[dict[str, Any]]:
+        for c in self.children:
+            self.send(c, op=op)
+        return [self.read(c) for c in self.children]
+
+    def stop(self) -> None:
+        for c in self.children:
+            with contextlib.suppress(OSError):  # a host that already died
+                self.send(c, op="stop")
+        for c in self.children:
+            try:
+                c.wait(30)
+            except subprocess.TimeoutExpired:
+                c.kill()
+                c.wait(5)
+
+
+def totals(rows: list[dict[str, Any]]) -> dict[str, float]:
+    keys = ("cpu_s", "bytes_out", "links", "versions", "records_rx", "records_verified", "builds")
+    return {k: float(sum(r.get(k, 0.0) for r in rows)) for k in keys}
+
+
+def one_round(
+    n: int, procs: int, tree: Path | None, settle: float, idle: float, seed: int
+) -> dict[str, float]:
+    from bench.mesh import random_graph
+
+    adj = random_graph(n, 3, seed=seed)
+    hosts = Hosts(n, procs, tree)
+    try:
+        before = totals(hosts.ask("counters"))
+        peers = {str(i): [hosts.ports[j] for j, _ in adj[i] if j < i] for i in range(n)}
+        t0 = time.monotonic()
+        for c in hosts.children:
+            hosts.send(c, op="peers", peers=peers)
+        done: list[dict[str, Any]] = []
+        for c in hosts.children:
+            done.append(hosts.read(c))
+        conv = totals(done)
+        out: dict[str, float] = {
+            "converge_s": max(d["converged_at"] for d in done) - t0,
+            "cpu_s/node": (conv["cpu_s"] - before["cpu_s"]) / n,
+            "records_rx/node": (conv["records_rx"] - before["records_rx"]) / n,
+            "verified/node": (conv["records_verified"] - before["records_verified"]) / n,
+            "versions/node": (conv["versions"] - before["versions"]) / n,
+        }
+        mem = hosts.ask("memory")
+        out["rss_MiB/node"] = sum(m["rss_kib"] for m in mem) / 1024 / n
+        out["table_MiB/node"] = sum(m["table_bytes"] for m in mem) / len(mem) / 2**20
+        time.sleep(settle)  # what converging left behind (resends, last pings' versions) dies down
+        a = totals(hosts.ask("counters"))
+        t1 = time.monotonic()
+        time.sleep(idle)
+        b = totals(hosts.ask("counters"))
+        span = time.monotonic() - t1
+        links = max(1.0, b["links"])  # link ends = directions of links
+        out["idle_%core/node"] = 100 * (b["cpu_s"] - a["cpu_s"]) / n / span
+        out["idle_B/s/link"] = (b["bytes_out"] - a["bytes_out"]) / links / span
+        out["idle_records/s/node"] = (b["records_rx"] - a["records_rx"]) / n / span
+        out["idle_versions/s/node"] = (b["versions"] - a["versions"]) / n / span
+        out["idle_builds/s/node"] = (b["builds"] - a["builds"]) / n / span
+        out["links"] = links / 2
+        return out
+    finally:
+        hosts.stop()
+
+
+def main() -> None:
+    from bench.common import Runner, git_tree, report
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--nodes", type=int, default=100)
+    p.add_argument("--procs", type=int, default=4, help="host processes the nodes are spread over")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--settle", type=float, default=10.0, help="seconds after convergence before idle")
+    p.add_argument("--idle", type=float, default=20.0, help="seconds the idle figures cover")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--ab", help="also run meshgate as of this git ref, alternating with this tree")
+    p.add_argument("--json")
+    args = p.parse_args()
+    if args.host:
+        host_main(int(args.host[0]), [int(x) for x in args.host[1].split(",") if x])
+        return
+    with tempfile.TemporaryDirectory(prefix="meshscale-") as tmp:
+        title = f"mesh of {args.nodes} nodes in {args.procs} processes, tcp:// on loopback"
+        r = Runner(title, args.rounds, f"meshgate@{args.ab}" if args.ab else None)
+        r.add("meshgate", lambda: one_round(args.nodes, args.procs, None, args.settle, args.idle, args.seed))
+        if args.ab:
+            tree = git_tree(args.ab, tmp)
+            r.add(f"meshgate@{args.ab}",
+                  lambda: one_round(args.nodes, args.procs, tree, args.settle, args.idle, args.seed))
+        r.run()
+        report([r], json_path=args.json, ratio_metrics=["converge_s", "idle_%core/node", "idle_B/s/link"])
+
+
+if __name__ == "__main__":
+    main()
