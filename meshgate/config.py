@@ -274,6 +274,9 @@ class AdminConfig:
     hosts: tuple[str, ...] = ()
 
 
+AES_INSTRUCTIONS = ("auto", "yes", "no")  # limits.aes_instructions
+
+
 @dataclass(frozen=True)
 class LimitsConfig:
     """Every bound in one place. Seconds for timeouts, bytes for sizes."""
@@ -316,6 +319,9 @@ class LimitsConfig:
     udp_link_reassembly_bytes: int = 1048576  # udp:// links: fragment bytes held for reassembly per link
     udp_link_reassembly_timeout: float = 0.5  # udp:// links: seconds a datagram may wait for its pieces
     udp_link_fragment_datagrams: bool = True  # udp:// links: big datagrams in pieces; false: reliable channel
+    # AEAD negotiation (udp:// links, end-to-end sessions): whether this node offers AES instructions;
+    # AES-256-GCM where both ends do, else ChaCha20-Poly1305. auto: from /proc/cpuinfo; yes | no
+    aes_instructions: str = "auto"
     tun_read_batch: int = 256  # packets read from the TUN device per loop wake-up before yielding
     tun_write_queue: int = 4096  # mesh packets queued for the TUN device within one loop tick
     # flows a TUN node with [[acl]] remembers (new ones allowed by a rule, and its own), LRU; ~300 B each
@@ -1013,6 +1019,9 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         or base.admin.hosts,
     )
     limits = r.dataclass_fields(_section(r, raw, "limits"), "limits.", base.limits)
+    if limits.aes_instructions not in AES_INSTRUCTIONS:
+        r.problem("limits.aes_instructions", f"expected one of {', '.join(AES_INSTRUCTIONS)}")
+        limits = replace(limits, aes_instructions=base.limits.aes_instructions)
     log_level = r.value(
         raw, "", "log_level", _choice("debug", "info", "warning", "error"), base.log_level
     )

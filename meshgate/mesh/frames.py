@@ -27,10 +27,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.argon2 import Argon2id
 
-from meshgate.mesh.noise import HandshakeState, NoiseError, generate_private, rekey_key
+from meshgate.mesh.noise import (
+    CHACHA20_POLY1305,
+    Aead,
+    HandshakeState,
+    NoiseError,
+    Suite,
+    generate_private,
+    rekey_key,
+)
 
 MAGIC = b"MGMx"
 # 3: node keys; the HELLO and route records are signed (2: the PSK from Argon2id; 1: HKDF).
@@ -178,16 +185,19 @@ def decode_hello(body: bytes | memoryview) -> Hello:
     return Hello(node_id, session, name, key, cert, signature)
 
 
-def _nonce(counter: int) -> bytes:
-    return b"\x00\x00\x00\x00" + counter.to_bytes(8, "little")
-
-
 class SendCipher:
-    __slots__ = ("_aead", "counter", "epoch", "key", "rekey_after")
+    """Seals records with one direction's key; `suite`: the negotiated AEAD (ChaCha20-Poly1305
+    on byte-pipe links; udp:// links and end-to-end sessions may negotiate AES-256-GCM)."""
 
-    def __init__(self, key: bytes, rekey_after: int = DEFAULT_REKEY_AFTER) -> None:
+    __slots__ = ("_aead", "counter", "epoch", "key", "nonce", "rekey_after", "suite")
+
+    def __init__(
+        self, key: bytes, rekey_after: int = DEFAULT_REKEY_AFTER, suite: Suite = CHACHA20_POLY1305
+    ) -> None:
         self.key = key
-        self._aead = ChaCha20Poly1305(key)  # reused: building one per record costs more than sealing
+        self.suite = suite
+        self._aead = suite.make(key)  # reused: building one per record costs more than sealing
+        self.nonce = suite.nonce
         self.epoch = 0
         self.counter = 0
         self.rekey_after = rekey_after
@@ -195,14 +205,18 @@ class SendCipher:
     def seal(self, plaintext: bytes | bytearray | memoryview) -> tuple[bytes, bytes]:
         """(header, ciphertext): write both, in order."""
         if self.counter >= self.rekey_after:
-            self.key = rekey_key(self.key)
-            self._aead = ChaCha20Poly1305(self.key)
-            self.epoch = (self.epoch + 1) & 0xFF
-            self.counter = 0
+            self.next_epoch()
         counter = self.counter
         self.counter = counter + 1
         header = RECORD.pack(len(plaintext) + TAG + RECORD_EXTRA, self.epoch, counter)
-        return header, self._aead.encrypt(_nonce(counter), plaintext, header)
+        return header, self._aead.encrypt(self.nonce(counter), plaintext, header)
+
+    def next_epoch(self) -> None:
+        """REKEY: the next key and epoch, the counter from 0 (after `rekey_after` records)."""
+        self.key = rekey_key(self.key, self.suite)
+        self._aead = self.suite.make(self.key)
+        self.epoch = (self.epoch + 1) & 0xFF
+        self.counter = 0
 
 
 class _Window:
@@ -232,24 +246,26 @@ class _Window:
 class RecvCipher:
     """Opens records; keeps the previous epoch's key for stragglers on reordering links."""
 
-    __slots__ = ("_aead", "_prev", "epoch", "key", "window")
+    __slots__ = ("_aead", "_prev", "epoch", "key", "nonce", "suite", "window")
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, suite: Suite = CHACHA20_POLY1305) -> None:
         self.key = key
-        self._aead = ChaCha20Poly1305(key)
+        self.suite = suite
+        self._aead = suite.make(key)
+        self.nonce = suite.nonce
         self.epoch = 0
         self.window = _Window()
-        self._prev: tuple[int, ChaCha20Poly1305, _Window] | None = None
+        self._prev: tuple[int, Aead, _Window] | None = None
 
     def open(self, header: bytes | memoryview, epoch: int, counter: int, ct: memoryview) -> bytes | None:
         """Plaintext, or None when replayed/out of window/forged (the caller counts it)."""
         if epoch == self.epoch:
             aead, window = self._aead, self.window
         elif epoch == (self.epoch + 1) & 0xFF:
-            next_key = rekey_key(self.key)
-            aead, window = ChaCha20Poly1305(next_key), _Window()
+            next_key = rekey_key(self.key, self.suite)
+            aead, window = self.suite.make(next_key), _Window()
             try:
-                plain = aead.decrypt(_nonce(counter), ct, header)
+                plain = aead.decrypt(self.nonce(counter), ct, header)
             except InvalidTag:
                 return None
             self._prev = (self.epoch, self._aead, self.window)
@@ -263,7 +279,7 @@ class RecvCipher:
         if not window.check(counter):
             return None
         try:
-            plain = aead.decrypt(_nonce(counter), ct, header)
+            plain = aead.decrypt(self.nonce(counter), ct, header)
         except InvalidTag:
             return None
         window.mark(counter)

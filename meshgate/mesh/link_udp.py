@@ -47,6 +47,7 @@ from meshgate.config import LimitsConfig, LinkUrl
 from meshgate.logs import RateLimitedLog
 from meshgate.mesh.frames import HELLO, LinkError
 from meshgate.mesh.links import LinkBase, LinkOwner
+from meshgate.mesh.noise import local_caps
 from meshgate.mesh.traversal import KIND_PROBE
 from meshgate.mesh.tun_routes import mark_socket
 from meshgate.mesh.udp_session import KIND_DATA, KIND_INIT, UdpSession, is_init, payload_size, receiver_id
@@ -376,6 +377,7 @@ class UdpLink(LinkBase):
             reassembly=limits.udp_link_reassembly, reassembly_bytes=limits.udp_link_reassembly_bytes,
             reassembly_timeout=limits.udp_link_reassembly_timeout,
             fragment=limits.udp_link_fragment_datagrams, static=owner.identity.dh_private,
+            caps=local_caps(limits.aes_instructions),
         )
         self._flush_scheduled = False
         self._timer_handle: asyncio.TimerHandle | None = None

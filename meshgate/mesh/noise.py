@@ -13,13 +13,16 @@ lower-level exception) so callers can count and drop without leaking detail.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 DHLEN = 32
 HASHLEN = 32
@@ -118,9 +121,73 @@ class CipherState:
         self._aead = ChaCha20Poly1305(self.k)
 
 
-def rekey_key(k: bytes) -> bytes:
+def _nonce_be(n: int) -> bytes:
+    return b"\x00\x00\x00\x00" + n.to_bytes(8, "big")
+
+
+# ---------------------------------------------------------------------- transport AEADs
+# The handshakes themselves always use ChaChaPoly (the published vectors, and old peers); the
+# transport keys from Split() may seal with AES-256-GCM when both ends negotiated it
+# (docs/PROTOCOL.md section 2.6). Nonces follow each cipher's Noise encoding: 32 zero bits and
+# the 64-bit counter, little-endian for ChaChaPoly, big-endian for AESGCM.
+
+Aead = ChaCha20Poly1305 | AESGCM
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One transport AEAD: its code on the wire, its name, how to key it, its nonce encoding."""
+
+    code: int
+    name: str
+    make: Callable[[bytes], Aead]
+    nonce: Callable[[int], bytes]
+
+
+CHACHA20_POLY1305 = Suite(1, "chacha20-poly1305", ChaCha20Poly1305, _nonce)
+AES_256_GCM = Suite(2, "aes-256-gcm", AESGCM, _nonce_be)
+SUITES = {s.code: s for s in (CHACHA20_POLY1305, AES_256_GCM)}
+CAP_AES = 0x01  # the capability bit a node offers: "AES instructions here" (AES-GCM is cheap)
+
+
+def choose_suite(local_caps: int, peer_caps: int) -> Suite:
+    """The one rule both ends apply: AES-256-GCM where both have AES instructions, else
+    ChaCha20-Poly1305 (fast in software everywhere; AES without instructions is slow)."""
+    return AES_256_GCM if local_caps & peer_caps & CAP_AES else CHACHA20_POLY1305
+
+
+def cpu_has_aes(cpuinfo: str) -> bool:
+    """Whether /proc/cpuinfo text lists AES instructions: 'aes' among the x86 'flags' or
+    the arm64 'Features' of a processor."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features") and "aes" in value.split():
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def _this_cpu_has_aes() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return cpu_has_aes(f.read())
+    except OSError:
+        return False  # no /proc (not Linux): claim nothing, ChaCha20-Poly1305 is safe everywhere
+
+
+def local_caps(setting: str = "auto") -> int:
+    """This node's capability bits for the AEAD offer; `setting` is limits.aes_instructions:
+    "auto" reads /proc/cpuinfo, "yes"/"no" override it (tests, odd hardware)."""
+    if setting == "yes":
+        return CAP_AES
+    if setting == "no":
+        return 0
+    return CAP_AES if _this_cpu_has_aes() else 0
+
+
+def rekey_key(k: bytes, suite: Suite = CHACHA20_POLY1305) -> bytes:
     """REKEY(k) from the Noise spec, for transport layers that manage nonces themselves."""
-    return ChaCha20Poly1305(k).encrypt(_nonce(MAX_NONCE), b"\x00" * 32, b"")[:32]
+    return suite.make(k).encrypt(suite.nonce(MAX_NONCE), b"\x00" * 32, b"")[:32]
 
 
 class SymmetricState:

@@ -64,7 +64,14 @@ from meshgate.mesh.frames import (
     iter_frames,
     prologue,
 )
-from meshgate.mesh.noise import HandshakeState, NoiseError, generate_private
+from meshgate.mesh.noise import (
+    CHACHA20_POLY1305,
+    HandshakeState,
+    NoiseError,
+    Suite,
+    choose_suite,
+    generate_private,
+)
 
 KIND_INIT = 1
 KIND_RESP = 2
@@ -74,7 +81,13 @@ KIND_DATA = 4
 HS = struct.Struct("!B4sBII")  # kind, magic, version, sender id, receiver id
 DATA = struct.Struct("!BI")  # kind, receiver id
 DATA_OVERHEAD = DATA.size + RECORD.size + TAG  # bytes of a data packet that are not plaintext
-INIT_PADDING = 64  # msg1 payload: makes msg1 (126 B) no smaller than msg2 (110 B)
+INIT_PADDING = 64  # msg1 payload: makes msg1 (126 B) no smaller than msg2 (113 B)
+# The AEAD offer (docs/PROTOCOL.md section 2.6) rides in the Noise payloads, so the transcript
+# (and every later handshake message's AD, and the HELLO signatures) binds it: msg1's payload
+# starts OFFER_V1, capability bits (then zeros to INIT_PADDING); a new responder's msg2 payload
+# is OFFER_V1, the suite it chose, its capability bits. A version-3 peer from before sends and
+# ignores zeros/an empty payload: ChaCha20-Poly1305, as before.
+OFFER_V1 = 0x01
 INIT_MIN = HS.size + 32 + INIT_PADDING + TAG  # a shorter msg1 is dropped unanswered
 
 CH_ACK = 0x01
@@ -174,6 +187,7 @@ class UdpSession:
         reassembly_timeout: float = 0.5,
         fragment: bool = True,
         static: bytes | None = None,
+        caps: int = 0,
     ) -> None:
         if payload < DATA_OVERHEAD + ACK.size + SEG.size + FRAME.size + 64:
             raise ValueError(f"UDP payload of {payload} bytes is too small for a link")
@@ -194,6 +208,8 @@ class UdpSession:
         )
         self.remote_static = b""  # the peer's Noise static key, once the handshake is done
         self.handshake_hash = b""
+        self.caps = caps  # our AEAD capability bits (noise.CAP_AES), offered in the handshake
+        self.suite: Suite = CHACHA20_POLY1305  # the negotiated transport AEAD, once msg2 is done
         self.send: SendCipher | None = None
         self.recv: RecvCipher | None = None
         self.confirmed = not initiator  # initiator: a sealed packet from the responder arrived
@@ -284,7 +300,7 @@ class UdpSession:
         if not self.initiator:
             return
         assert self._hs is not None
-        msg = self._hs.write_message(bytes(INIT_PADDING))
+        msg = self._hs.write_message(bytes((OFFER_V1, self.caps)).ljust(INIT_PADDING, b"\0"))
         self._send_hs(HS.pack(KIND_INIT, MAGIC, VERSION, self.local_id, 0) + msg, now)
 
     def _send_hs(self, packet: bytes, now: float) -> None:
@@ -314,8 +330,12 @@ class UdpSession:
                 self.peer_init = bytes(packet)
                 self.peer_id = sender
                 try:
-                    hs.read_message(body)
-                    msg2 = hs.write_message()
+                    offer = hs.read_message(body)
+                    if len(offer) >= 2 and offer[0] == OFFER_V1:
+                        self.suite = choose_suite(self.caps, offer[1])
+                        msg2 = hs.write_message(bytes((OFFER_V1, self.suite.code, self.caps)))
+                    else:  # zeros: a peer from before the offer, which reads ChaCha20-Poly1305 only
+                        msg2 = hs.write_message()
                 except NoiseError:
                     raise LinkError("handshake", "handshake failed") from None
                 self._send_hs(HS.pack(KIND_RESP, MAGIC, VERSION, self.local_id, sender) + msg2, now)
@@ -330,7 +350,11 @@ class UdpSession:
         if self.initiator and kind == KIND_RESP and hs is not None and not hs.finished:
             self.peer_id = sender
             try:
-                hs.read_message(body)
+                answer = hs.read_message(body)
+            except NoiseError:
+                raise LinkError("handshake", "handshake failed") from None
+            self.suite = self._answered_suite(answer)
+            try:
                 msg3 = hs.write_message()
             except NoiseError:
                 raise LinkError("handshake", "handshake failed") from None
@@ -350,12 +374,24 @@ class UdpSession:
         else:
             self.unexpected += 1  # duplicates after the handshake, stray ids
 
+    def _answered_suite(self, answer: bytes) -> Suite:
+        """Initiator: the suite msg2's payload names, which must be what the rule gives for both
+        ends' capabilities (authenticated, like all of msg2: a mismatch is a broken peer)."""
+        if not answer:
+            return CHACHA20_POLY1305  # a responder from before the offer
+        if len(answer) != 3 or answer[0] != OFFER_V1:
+            raise LinkError("bad_aead", "malformed AEAD answer in the handshake")
+        expected = choose_suite(self.caps, answer[2])
+        if answer[1] != expected.code:
+            raise LinkError("bad_aead", f"the peer chose AEAD {answer[1]}, the rule gives {expected.name}")
+        return expected
+
     def _finish(self, hs: HandshakeState) -> None:
         i2r, r2i = hs.split()
         assert i2r.k is not None and r2i.k is not None
         send_key, recv_key = (i2r.k, r2i.k) if self.initiator else (r2i.k, i2r.k)
-        self.send = SendCipher(send_key)
-        self.recv = RecvCipher(recv_key)
+        self.send = SendCipher(send_key, suite=self.suite)
+        self.recv = RecvCipher(recv_key, self.suite)
         self.remote_static = hs.rs or b""
         self.handshake_hash = hs.handshake_hash
         self._hs = None
