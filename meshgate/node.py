@@ -44,6 +44,7 @@ from meshgate.reload import DNS_BLOCKLIST, DNS_UPSTREAMS, LIVE, MESH_EXITS, MESH
 from meshgate.statedir import StateDirLock
 
 if TYPE_CHECKING:
+    from meshgate.dns.mesh_dns import MeshDnsClient, MeshDnsServer
     from meshgate.dns.resolver import Pipeline
     from meshgate.dns.service import DnsService
     from meshgate.dns.upstream import Dial
@@ -121,6 +122,8 @@ class Node:
         self.dialer: Dialer | None = None
         # SOCKS UDP over the mesh, both sides: made once the mesh runs (it needs the loop)
         self.udp_hub: UdpHub | None = None
+        self.mesh_dns_client: MeshDnsClient | None = None  # split DNS through the mesh, both ways
+        self.mesh_dns_server: MeshDnsServer | None = None
         self._stopped = asyncio.Event()
 
     def _plan(self) -> list[Service]:
@@ -129,13 +132,25 @@ class Node:
         mesh_on = bool(cfg.mesh.listen or cfg.mesh.peers or cfg.node.ipv4 or cfg.node.ipv6)
         plan: list[Service] = []
         dns = cfg.dns
-        if dns.listeners or dns.upstreams or dns.records or dns.routes or dns.blocklist.lists:
+        if (dns.listeners or dns.upstreams or dns.records or dns.routes or dns.blocklist.lists
+                or dns.serve_suffixes):
             from meshgate.dns.resolver import Pipeline
 
+            mesh_dns = None
+            if mesh_on and dns.mesh_routes:
+                from meshgate.dns.mesh_dns import MeshDnsClient, MeshDnsRoutes
+                from meshgate.mesh.channels import DNS_QUERY
+
+                # names under suffixes other nodes serve are asked there, over the mesh
+                self.mesh_dns_client = MeshDnsClient(self._mesh_send, DNS_QUERY,
+                                                     limits.dns_upstream_max_queries)
+                mesh_dns = MeshDnsRoutes(self.mesh_dns_client, lambda: self._mesh().dns_servers(),
+                                         dns.serve_suffixes)
             self.resolver = Pipeline(
                 cfg,
                 names=self._mesh_names if mesh_on else None,
                 upstream_route=self._upstream_route if mesh_on else None,
+                mesh_dns=mesh_dns,
             )
         dial_kw: dict[str, Any] = {
             "connect_timeout": limits.socks5_connect_timeout,
@@ -162,6 +177,7 @@ class Node:
             # replaces rules.acl) let reach something here
             self.mesh.traversal_allowed = lambda nid: rules.acl.admits(
                 source_in(self._mesh(), nid, time.time()))
+            self._serve_mesh_dns(rules)
             self.mesh_dialer = MeshDialer(cfg, self.mesh, egress, self._open_mesh_udp, **dial_kw)
             self.dialer = self.mesh_dialer
             plan.append(self.mesh)
@@ -207,6 +223,33 @@ class Node:
         assert self.mesh is not None  # given to the pipeline only on mesh nodes
         return self.mesh.name_table()
 
+    def _mesh_send(self, node_id: int, channel: int, payload: bytes) -> bool:
+        return self._mesh().send_datagram(node_id, channel, payload)
+
+    def _serve_mesh_dns(self, rules: ExitRules) -> None:
+        """Mesh DNS both ways on the mesh's datagram channels: answers to this node's questions
+        (dns.mesh_routes), and questions for its own dns.serve_suffixes, from members the
+        [[acl]] rules (the current ones: a reload replaces rules.acl) let reach port 53/udp."""
+        from meshgate.egress.acl import source_in
+        from meshgate.mesh.channels import DNS_ANSWER, DNS_QUERY
+
+        mesh = self._mesh()
+        if self.mesh_dns_client is not None:
+            mesh.on_datagram(DNS_ANSWER, self.mesh_dns_client.on_answer)
+        suffixes = self.config.dns.serve_suffixes
+        if suffixes and self.resolver is not None:
+            from meshgate.dns.mesh_dns import MeshDnsServer
+            from meshgate.mesh.e2e import SEAL_OVERHEAD
+            from meshgate.mesh.frames import MAX_BODY
+            from meshgate.mesh.service import CHANNEL
+
+            def admit(nid: int) -> bool:
+                return rules.acl.decide(source_in(mesh, nid, time.time()), None, 53, "udp").allowed
+
+            self.mesh_dns_server = MeshDnsServer(self.resolver, self._mesh_send, DNS_ANSWER, suffixes,
+                                                 admit, MAX_BODY - SEAL_OVERHEAD - CHANNEL.size)
+            mesh.on_datagram(DNS_QUERY, self.mesh_dns_server.on_query)
+
     def _dns_log(self, since: int) -> dict[str, Any]:
         """GET /dns/log?since=N: the pipeline's [dns.query_log] entries newer than N."""
         from meshgate.dns.querylog import answer
@@ -235,7 +278,12 @@ class Node:
     async def start(self) -> None:
         self.state_lock.acquire()  # before anything reads or writes the state dir
         self.trimmer.start()
-        for svc in self._plan():
+        try:
+            plan = self._plan()
+        except BaseException:  # a config the components refuse (StartupError): let go of the dir
+            await self.stop()
+            raise
+        for svc in plan:
             try:
                 await svc.start()
             except BaseException:
@@ -254,6 +302,10 @@ class Node:
         if self.udp_hub is not None:
             self.udp_hub.close()
             self.udp_hub = None
+        if self.mesh_dns_server is not None:
+            self.mesh_dns_server.close()
+        if self.mesh_dns_client is not None:
+            self.mesh_dns_client.close()
         while self.services:
             svc = self.services.pop()
             try:

@@ -34,6 +34,7 @@ import secrets
 import time
 from collections.abc import Callable
 from ipaddress import IPv4Address, IPv6Address
+from typing import Protocol
 
 from meshgate.buffers import Buffer, BufferPool
 from meshgate.config import Config, DnsBlocklistConfig
@@ -66,6 +67,12 @@ BUFFER_HEADROOM = 16
 # the main process pushes it to DNS workers).
 NameTable = dict[str, tuple[IPv4Address | None, IPv6Address | None]]
 Names = Callable[[], NameTable]
+
+
+class MeshRoutes(Protocol):
+    """The route table with other nodes' served suffixes added (dns/mesh_dns.MeshDnsRoutes)."""
+
+    def table(self, configured: RouteTable) -> RouteTable: ...
 
 _upstream_errors = REGISTRY.counter(
     "meshgate_dns_upstream_errors_total", "Upstream exchanges that failed", ("upstream", "reason")
@@ -106,8 +113,10 @@ def upstream_spans(config: Config) -> int:
 class Pipeline:
     def __init__(self, config: Config, *, names: Names | None = None,
                  upstream_route: MeshRoute | None = None, upstreams: list[Upstream] | None = None,
-                 routes: dict[str, list[Upstream]] | None = None, pooled: bool = True) -> None:
-        """`upstreams` replaces the configured ones (tests, DNS workers) and then `routes`
+                 routes: dict[str, list[Upstream]] | None = None, pooled: bool = True,
+                 mesh_dns: MeshRoutes | None = None) -> None:
+        """`mesh_dns` adds routes for the suffixes other nodes serve (dns/mesh_dns.py).
+        `upstreams` replaces the configured ones (tests, DNS workers) and then `routes`
         (suffix -> upstreams) replaces dns.route's: none unless given, so a DNS worker sends
         every miss to the main process, which routes it. `pooled` False packs every answer into
         a one-off buffer (the benchmark's baseline)."""
@@ -120,12 +129,13 @@ class Pipeline:
         self.pooled = pooled
         self.pool = BufferPool(BUFFER_CAPACITY, BUFFER_HEADROOM, config.limits.buffer_pool_size)
         self.upstream_route = upstream_route
+        self.mesh_dns = mesh_dns
         self._retired: list[Upstream] = []  # replaced by a reload, closed after a grace time
         if upstreams is None:
             upstreams, configured = configured_upstreams(config, upstream_route)
             routes = configured if routes is None else routes
         self._use_upstreams(upstreams, routes or {})
-        self._pending: dict[tuple[bytes, int, int], asyncio.Task[tuple[Answer, str]]] = {}
+        self._pending: dict[tuple[bytes, int, int, bool], asyncio.Task[tuple[Answer, str]]] = {}
         self.inflight = 0
         self._memo: dict[tuple[bytes, int, int], Answer] = {}
         self._memo_until = 0.0
@@ -301,9 +311,11 @@ class Pipeline:
         got = await self.resolve_via(q)
         return None if got is None else got[0]
 
-    async def resolve_via(self, q: Query) -> tuple[Answer, str] | None:
-        """resolve() and which upstream answered (the URL, `route SUFFIX URL` or `failed`)."""
-        key = (q.name, q.qtype, q.qclass)
+    async def resolve_via(self, q: Query, mesh: bool = True) -> tuple[Answer, str] | None:
+        """resolve() and which upstream answered (the URL, `route SUFFIX URL` or `failed`).
+        `mesh` False: no route to another node's served suffix (a query that came over the
+        mesh: forwarding it on could loop)."""
+        key = (q.name, q.qtype, q.qclass, mesh)
         if self.inflight >= self.max_inflight:
             _overload.inc()
             rlog.debug("inflight", "dns: %d queries in flight (limits.dns_max_inflight), dropping %s",
@@ -316,15 +328,15 @@ class Pipeline:
                 # The upstream exchange is its own task: a client that goes away (its
                 # listener task cancelled) neither cancels it for the other clients
                 # waiting on the same question nor loses the answer for the cache.
-                fetch = asyncio.get_running_loop().create_task(self._fetch(q, key))
+                fetch = asyncio.get_running_loop().create_task(self._fetch(q, key, mesh))
                 self._pending[key] = fetch
             return await asyncio.shield(fetch)  # coalesce identical questions
         finally:
             self.inflight -= 1
 
-    async def _fetch(self, q: Query, key: tuple[bytes, int, int]) -> tuple[Answer, str]:
+    async def _fetch(self, q: Query, key: tuple[bytes, int, int, bool], mesh: bool) -> tuple[Answer, str]:
         try:
-            return await self._ask_upstreams(q)
+            return await self._ask_upstreams(q, mesh)
         except Exception as e:  # never let one query's failure escape to a listener
             rlog.debug("resolve", "dns: resolving %s failed: %r", wire.decode_name(q.name), e)
             return wire.build_answer(q.question, wire.SERVFAIL, aa=False), "failed"
@@ -347,12 +359,15 @@ class Pipeline:
         """Which of dns.upstreams answered last."""
         return self.routes.default.preferred
 
-    async def _ask_upstreams(self, q: Query) -> tuple[Answer, str]:
+    async def _ask_upstreams(self, q: Query, mesh: bool = True) -> tuple[Answer, str]:
         key = (q.name, q.qtype, q.qclass)
         loop = asyncio.get_running_loop()
         # The route is a function of q.name alone, which is in the cache key: answers of
         # different routes never share a cache entry (nor a coalesced fetch).
-        group = self.routes.group(q.name)
+        routes = self.routes
+        if mesh and self.mesh_dns is not None:
+            routes = self.mesh_dns.table(routes)
+        group = routes.group(q.name)
         upstreams = group.upstreams
         n = len(upstreams)
         # Where this question starts, read once: another question that succeeds meanwhile moves
@@ -380,7 +395,7 @@ class Pipeline:
                 continue  # another upstream may do better
             group.preferred = idx
             self.cache.put(key, ans)
-            return ans, (up.url if group is self.routes.default else f"route {group.name} {up.url}")
+            return ans, (up.url if group is routes.default else f"route {group.name} {up.url}")
         return wire.build_answer(q.question, wire.SERVFAIL, aa=False), "failed"
 
     # ------------------------------------------------------------------ bootstrap adapter
@@ -504,8 +519,9 @@ class Frontend:
     """
 
     def __init__(self, pipeline: Pipeline, stats: ListenerStats, *, limit: int = wire.MAX_MESSAGE,
-                 limiter: ClientRateLimit | None = None) -> None:
+                 limiter: ClientRateLimit | None = None, mesh_routes: bool = True) -> None:
         self.pipeline = pipeline
+        self.mesh_routes = mesh_routes  # False: answers other nodes' questions (dns/mesh_dns.py)
         self.stats = stats
         self.limit = limit
         self.limiter = limiter  # the listener's per-client rate limit (dns/ratelimit.py), if on
@@ -590,7 +606,7 @@ class Frontend:
 
     async def _later(self, q: Query, limit: int, pad: bool, peer: object, start: float) -> Ready | None:
         pipeline = self.pipeline
-        got = await pipeline.resolve_via(q)
+        got = await pipeline.resolve_via(q, self.mesh_routes)
         if got is None:
             self.stats.drop("overload")
             return None

@@ -9,3 +9,5 @@ SOCKS_UDP = 2  # SOCKS5 UDP ASSOCIATE, portal -> egress node
 L3_VNET = 3  # TUN: an IP packet behind a virtio-net header (GSO super-packet)
 L3_BUNDLE = 4  # TUN: several packets for one node from one read batch
 SOCKS_UDP_REPLY = 5  # SOCKS5 UDP ASSOCIATE, egress node -> portal
+DNS_QUERY = 6  # split DNS through the mesh: request id + DNS query (dns/mesh_dns.py)
+DNS_ANSWER = 7  # its answer, request id + DNS message

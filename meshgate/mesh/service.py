@@ -169,6 +169,7 @@ class MeshService:
         self._own_cert_raw = own_cert.raw if own_cert is not None else b""
         self._revocation_watch = FileWatch(config.node.revocation_list)
         self.peer_identity: dict[LinkBase, PeerIdentity] = {}
+        self._dns_servers: tuple[int, dict[str, list[tuple[int, str]]]] | None = None
         self.e2e = E2e(
             identity, self.network, self._own_cert_raw, self._check_e2e_peer,
             max_sessions=limits.e2e_sessions, queue_bytes=limits.e2e_queue_bytes,
@@ -1224,6 +1225,25 @@ class MeshService:
 
     def lookup(self, ip: IPAddress) -> Route | None:
         return self.table.lookup(ip, latency=bool(self.policy_flag))
+
+    def dns_servers(self) -> tuple[int, dict[str, list[tuple[int, str]]]]:
+        """(generation, suffix -> [(node id, name)] nearest first): the DNS suffixes other
+        reachable nodes serve (their records' dns.serve_suffixes). The generation changes with
+        every route build, so a caller rebuilds what it derives only then."""
+        table = self.table
+        cached = self._dns_servers
+        if cached is not None and cached[0] == table.version:
+            return cached  # asked on every DNS cache miss: walk the records once per build
+        out: dict[str, list[tuple[int, str]]] = {}
+        paths = table.hop_paths
+        for origin in sorted(paths, key=lambda o: (paths[o].hops, paths[o].latency_us, o)):
+            rec = table.records.get(origin)
+            if origin == self.node_id or rec is None:
+                continue
+            for suffix in rec.dns:
+                out.setdefault(suffix, []).append((origin, rec.name))
+        self._dns_servers = (table.version, out)
+        return self._dns_servers
 
     def name_table(self) -> dict[str, tuple[ipaddress.IPv4Address | None, ipaddress.IPv6Address | None]]:
         out: dict[str, tuple[ipaddress.IPv4Address | None, ipaddress.IPv6Address | None]] = {}

@@ -348,3 +348,49 @@ def test_fuzz_certificates_and_lists(sample_cert: tuple[bytes, bytes]) -> None:
 
     cert()
     rlist()
+
+
+# ---------------------------------------------------------------- DNS suffixes (dns.serve_suffixes)
+
+
+def test_dns_suffix_grants_round_trip_and_cover_names_under_them_on_label_boundaries(ca: TestCA) -> None:
+    ident = Identity.generate()
+    cert = _cert(ca, ident, dns=("LAN.example", "corp.example."))
+    again = certs.load_certificate_text(certs.armor(certs.CERT_LABEL, cert.raw))
+    assert again.dns == ("lan.example.", "corp.example.") == cert.dns
+    assert again.grants_dns("lan.example.") and again.grants_dns("printers.lan.example.")
+    assert not again.grants_dns("xlan.example.") and not again.grants_dns("example.")
+    assert not _cert(ca, ident).grants_dns("lan.example.")  # no grant: none
+    assert "lan.example., corp.example." in authority.describe(certs.armor(certs.CERT_LABEL, cert.raw))
+    with pytest.raises(authority.AuthorityError, match="--dns"):
+        _cert(ca, ident, dns=(".",))
+
+
+def test_records_carry_dns_suffixes_and_malformed_ones_are_refused() -> None:
+    ident = Identity.generate()
+    rec = _signed(ident, dns=("lan.example.", "corp.example."))
+    back = decode_one(rec.encode())
+    assert back.dns == ("lan.example.", "corp.example.") and back.signature == rec.signature
+    assert decode_one(_signed(ident).encode()).dns == ()
+    assert not back.same_content(dataclasses.replace(back, dns=("lan.example.",)))
+    for bad in ("LAN.example.", "lan.example", "a..b.", "with space.", "x" * 64 + "."):
+        forged = dataclasses.replace(rec, dns=(bad,))
+        with pytest.raises(RecordError):
+            decode_one(dataclasses.replace(forged, signature=ident.sign(forged.signed_part)).encode())
+    many = dataclasses.replace(rec, dns=tuple(f"s{i}.example." for i in range(17)))
+    with pytest.raises(RecordError):
+        decode_one(many.encode())
+
+
+def test_a_member_with_a_valid_certificate_cannot_claim_a_dns_suffix_it_was_not_granted(ca: TestCA) -> None:
+    """Certificate mode: the record's suffixes must be in its origin's certificate, or the whole
+    record is dropped (not_granted), so no member can pull another's names to itself."""
+    ident, me = Identity.generate(), Identity.generate()
+    raw = _cert(ca, ident, dns=("lan.example.",)).raw
+    trust = Trust("testnet", (ca.cert,), _cert(ca, me))
+    assert trust.check_record(_signed(ident, raw, dns=("lan.example.",)), None, NOW) is None
+    assert trust.check_record(_signed(ident, raw, dns=("a.lan.example.",)), None, NOW) is None
+    for claim in (("example.",), ("corp.example.",), ("lan.example.", "com.")):
+        assert trust.check_record(_signed(ident, raw, dns=claim), None, NOW) == "not_granted", claim
+    plain = _cert(ca, ident).raw  # a valid certificate without any DNS grant
+    assert trust.check_record(_signed(ident, plain, dns=("lan.example.",)), None, NOW) == "not_granted"
