@@ -13,25 +13,28 @@ seconds, what it has in flight is counted lost and the window refilled; a
 reply that is not in flight any more counts as `late`, a wrong one as `bad`.
 
 The nodes are `meshgate run` processes (bench/portal.py's MeshgateLine, A and B
-only) started through a small wrapper (`_NODE`) that, for the allocation
-rows, starts tracemalloc before meshgate and answers "snap" on a loopback
-control port with the traced heap (bytes, blocks, peak). tracemalloc slows a
-process several times over, so every variant has two lines: an untraced one
-for round trips/s, loss and CPU s per million round trips (from /proc), and a
-traced one that runs `--alloc-count` round trips for the allocation rows:
+only) started through a small wrapper (`_NODE`) that answers "snap" on a
+loopback control port. Every variant has two lines: a plain one for round
+trips/s, loss and CPU s per million round trips (from /proc), and a counted
+one that runs `--alloc-count` round trips for the allocation rows. tracemalloc
+sees live memory only, so it cannot count what a round trip allocates and frees
+again; the counted line runs with PYTHONMALLOC=malloc (every Python object goes
+to malloc) and bench/alloc_count.c preloaded, a malloc that counts its calls
+and bytes (compiled here with gcc; without gcc the rows are left out, said on
+stderr). It counts every allocation of the process: Python objects, uvloop's,
+OpenSSL's.
 
-* `held B/rt`, `held blocks/rt`: traced heap after the run minus before it
-  (both after gc.collect()), per round trip: what the run left behind;
-* `peak KiB`: traced peak during the run above the heap before it: what the
-  datagrams in flight need at once;
-* `gc/M rt` (untraced line): garbage collections (all generations) per million round trips.
+* `alloc blocks/rt`, `alloc B/rt` (counted line): malloc/calloc/realloc calls and
+  bytes asked for, on A and on B, per round trip;
+* `gc/M rt` (plain line): garbage collections (all generations) per million round trips.
 
-tracemalloc sees live blocks only, so these are not a count of every short-lived
-allocation (Python has no cumulative allocation counter); the cost of those
-shows in CPU s/M and rt/s.
+`--traced` adds the tracemalloc rows of before (a third line per variant):
+`held B/rt`, `held blocks/rt` (traced heap after the run minus before it, both
+after gc.collect(): what the run left behind) and `peak KiB` (traced peak during
+the run above the heap before it: what the datagrams in flight need at once).
 
     .venv/bin/python bench/portal_udp.py [--udp-count N] [--alloc-count N] [--flows 1,4]
-        [--window 32] [--rounds R] [--ab REF] [--json FILE]
+        [--window 32] [--rounds R] [--traced] [--ab REF] [--json FILE]
 
 `--ab REF` runs meshgate as of git REF beside the checkout, in alternating
 pairs (bench/common.Runner), with paired ratios against REF.
@@ -48,6 +51,7 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,19 +60,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import Metrics, Peer, Runner, add_args, free_port, git_tree, report, selected
-from bench.portal import ROOT, VIPS, MeshgateLine
+from bench.portal import ROOT, SERVED_PORTS, VIPS, MeshgateLine
 
 SIZE_CYCLE = 1000  # payload sizes repeat with this period (80/10/10 exactly per cycle)
 SEQ = struct.Struct("!Q")
 
-# A meshgate node: `python -c _NODE CONF CTL_PORT TRACED` with cwd = the tree to run (`-c` puts
+# A meshgate node: `python -c _NODE CONF CTL_PORT MODE` with cwd = the tree to run (`-c` puts
 # the cwd first on sys.path, so an extracted --ab REF shadows the checkout). A connection to
-# CTL_PORT gets the gc collections so far and, when TRACED, the traced heap after gc.collect().
+# CTL_PORT gets the gc collections so far; MODE traced: the traced heap after gc.collect(), MODE
+# counted: the allocation counters of bench/alloc_count.c (preloaded).
 _NODE = r"""
-import gc, json, socket, sys, threading, tracemalloc
-conf, ctl, traced = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+import ctypes, gc, json, socket, sys, threading, tracemalloc
+conf, ctl, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+traced = mode == "traced"
 if traced:
     tracemalloc.start()
+if mode == "counted":
+    _lib = ctypes.CDLL(None)
+    _calls = ctypes.c_ulonglong.in_dll(_lib, "mg_alloc_calls")
+    _bytes = ctypes.c_ulonglong.in_dll(_lib, "mg_alloc_bytes")
 def serve():
     srv = socket.create_server(("127.0.0.1", ctl))
     while True:
@@ -76,6 +86,8 @@ def serve():
         with c:
             c.recv(16)
             out = {"gc": sum(s["collections"] for s in gc.get_stats())}
+            if mode == "counted":
+                out |= {"calls": _calls.value, "alloc_bytes": _bytes.value}
             if traced:
                 gc.collect()
                 _, peak = tracemalloc.get_traced_memory()
@@ -102,18 +114,34 @@ while True:
 """
 
 
-class UdpLine(MeshgateLine):
-    """A - B of bench/portal.py's line (one hop is all the UDP rows need), optionally traced."""
+def build_counter(workdir: str) -> str | None:
+    """bench/alloc_count.c compiled into WORKDIR; None (and why, on stderr) without gcc."""
+    out = str(Path(workdir) / "alloc_count.so")
+    try:
+        src = str(Path(__file__).parent / "alloc_count.c")
+        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", out, src], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"no allocation counts: cannot build bench/alloc_count.c ({e})", file=sys.stderr)
+        return None
+    return out
 
-    def __init__(self, name: str, workdir: str, tree: Path, traced: bool) -> None:
+
+class UdpLine(MeshgateLine):
+    """A - B of bench/portal.py's line (one hop is all the UDP rows need): plain, traced
+    (tracemalloc) or counted (the preloaded counting malloc at `counter`)."""
+
+    def __init__(self, name: str, workdir: str, tree: Path, mode: str = "plain", counter: str = "") -> None:
         super().__init__(name, workdir, tree)
-        self.traced = traced
+        self.mode = mode
+        self.counter = counter
         self.ctl = {n: free_port() for n in "ab"}
 
     def node_peer(self, node: str) -> Peer:
         peer = super().node_peer(node)
         conf = str(self.workdir / f"{node}.toml")
-        peer.argv = [sys.executable, "-c", _NODE, conf, str(self.ctl[node]), "1" if self.traced else "0"]
+        peer.argv = [sys.executable, "-c", _NODE, conf, str(self.ctl[node]), self.mode]
+        if self.mode == "counted":
+            peer.env = dict(peer.env or {}, PYTHONMALLOC="malloc", LD_PRELOAD=self.counter)
         return peer
 
     def start_udp(self, echo_port: int) -> UdpLine:
@@ -131,7 +159,7 @@ class UdpLine(MeshgateLine):
         return self
 
     def heap(self) -> dict[str, dict[str, float]]:
-        """Per node: gc collections so far and, on a traced line, the traced heap."""
+        """Per node: gc collections so far and the traced heap or the allocation counters."""
         out = {}
         for node, port in self.ctl.items():
             with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
@@ -306,7 +334,8 @@ def run_flows(proxy: tuple[str, int], target: tuple[str, int], count: int, flows
 # --------------------------------------------------------------------------- one round
 
 
-def udp_round(plain: UdpLine, traced: UdpLine | None, echo_port: int, args: argparse.Namespace) -> Metrics:
+def udp_round(plain: UdpLine, traced: UdpLine | None, counted: UdpLine | None, echo_port: int,
+              args: argparse.Namespace) -> Metrics:
     out: Metrics = {}
     target = (VIPS["b"], echo_port)
     for flows in args.flow_list:
@@ -320,6 +349,15 @@ def udp_round(plain: UdpLine, traced: UdpLine | None, echo_port: int, args: argp
         for n in "ab":
             out[f"{tag} {n.upper()} cpu s/M rt"] = (cpu1[n] - cpu0[n]) / max(m["ok"], 1) * 1e6
             out[f"{tag} {n.upper()} gc/M rt"] = (gc1[n]["gc"] - gc0[n]["gc"]) / max(m["ok"], 1) * 1e6
+        if counted is not None:
+            c0 = counted.heap()
+            m = run_flows(counted.socks, target, args.alloc_count, flows, args.window, args.stall)
+            c1 = counted.heap()
+            rts = max(m["ok"], 1)
+            for n in "ab":
+                out[f"{tag} {n.upper()} alloc blocks/rt"] = (c1[n]["calls"] - c0[n]["calls"]) / rts
+                out[f"{tag} {n.upper()} alloc B/rt"] = (c1[n]["alloc_bytes"] - c0[n]["alloc_bytes"]) / rts
+            out[f"{tag} counted lost"] = m["lost"]
         if traced is None:
             continue
         h0 = traced.heap()
@@ -339,7 +377,8 @@ def main() -> int:
     add_args(p, rounds=3)
     p.add_argument("--udp-count", type=int, default=1_000_000, help="round trips per run (all flows)")
     p.add_argument("--alloc-count", type=int, default=100_000,
-                   help="round trips per run on the traced line (0: no allocation rows)")
+                   help="round trips per run on the counted (and traced) line (0: no allocation rows)")
+    p.add_argument("--traced", action="store_true", help="also the tracemalloc rows (a third line)")
     p.add_argument("--flows", default="1,4", help="associations at once, e.g. 1,4")
     p.add_argument("--window", type=int, default=32, help="datagrams in flight per flow")
     p.add_argument("--stall", type=float, default=1.0,
@@ -356,6 +395,7 @@ def main() -> int:
         trees[f"meshgate@{args.ab}"] = git_tree(args.ab, workdir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     echo_port = free_port()
+    SERVED_PORTS[:] = [echo_port]  # B publishes the echo on its virtual IP ([serve])
     echo = Peer("udp-echo", [sys.executable, "-c", _ECHO, str(echo_port)], ready_text="ready")
     lines: list[UdpLine] = []
     try:
@@ -363,14 +403,18 @@ def main() -> int:
         r = Runner(f"SOCKS5 UDP over one hop: {args.udp_count:,} round trips per run "
                    f"(allocations: {args.alloc_count:,}), flows {args.flows}, window {args.window}",
                    args.rounds, baseline=f"meshgate@{args.ab}" if args.ab else None)
+        counter = build_counter(workdir) if args.alloc_count else None
         for name, tree in trees.items():
-            plain = UdpLine(name, workdir, tree, traced=False).start_udp(echo_port)
+            plain = UdpLine(name, workdir, tree).start_udp(echo_port)
             lines.append(plain)
-            traced = None
-            if args.alloc_count:
-                traced = UdpLine(name + "-traced", workdir, tree, traced=True).start_udp(echo_port)
+            traced = counted = None
+            if args.alloc_count and counter is not None:
+                counted = UdpLine(name + "-counted", workdir, tree, "counted", counter).start_udp(echo_port)
+                lines.append(counted)
+            if args.alloc_count and args.traced:
+                traced = UdpLine(name + "-traced", workdir, tree, "traced").start_udp(echo_port)
                 lines.append(traced)
-            r.add(name, functools.partial(udp_round, plain, traced, echo_port, args))
+            r.add(name, functools.partial(udp_round, plain, traced, counted, echo_port, args))
         r.run()
         report([r], args.json, by_metric=True)
     finally:

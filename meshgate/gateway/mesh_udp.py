@@ -16,10 +16,16 @@ Wire (both channels): u32 association id | u16 port | u8 family (4|6) |
 address (4 or 16 bytes) | payload.
 
 Per datagram, both sides work on the wire head as bytes: the head for a
-target is built once (portal: per target address; egress: per reply
-address) and joined to the payload in one copy, and a received head is
-looked up as bytes, so no address object is parsed or formatted per
-datagram (bench/portal_udp.py measures it).
+target is built once, with the mesh channel in front of it (portal: per
+target address; egress: per reply address), and a received head is looked
+up as bytes, so no address object is parsed or formatted per datagram. No
+payload is copied to put headers in front of it (issue 18 item 6): the
+prebuilt head and the payload go into the link's batch as two parts
+(`MeshService.send_datagram_prefixed`), a datagram arrives as a view into
+the opened record (`on_datagram_view`), the egress sends the target the
+payload straight from that view, and the portal sends the client its SOCKS
+header and the payload in one `sendmsg` (`PortalUdp.on_view`, set by
+gateway/udp.py). bench/portal_udp.py counts the allocations per round trip.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ _DROP_ACL = _DROPPED.labels("acl")
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 OnDatagram = Callable[[Buffer, tuple[str, int]], None]
+# a reply's payload, a view valid only during the call, and the address it came from
+OnView = Callable[[memoryview, tuple[str, int]], None]
 
 
 class UdpWireError(ValueError):
@@ -80,7 +88,7 @@ def encode_head(assoc: int, ip: IPAddress, port: int) -> bytes:
     return _HEAD.pack(assoc, port, ip.version) + ip.packed
 
 
-def head_len(data: bytes) -> int:
+def head_len(data: bytes | memoryview) -> int:
     """Length of the wire head of `data` (0 when it is malformed)."""
     n = _ADDR_LEN.get(data[_HEAD.size - 1]) if len(data) >= _HEAD.size else None
     if n is None or len(data) < _HEAD.size + n:
@@ -118,9 +126,13 @@ class PortalUdp:
         self.sent_to: set[int] = set()  # nodes this association sent to: replies only from them
         self.on_datagram = on_datagram
         self.pool = pool
+        # replies as views, written out without a copy (gateway/udp.py sets it); None: each is
+        # copied into a pooled buffer for on_datagram
+        self.on_view: OnView | None = None
         self.local = LocalUdpEgress(hub.loop, on_datagram, pool) if direct else None
-        # target sockaddr -> (address, wire head), and the head -> sockaddr for replies: built once
-        # per target, bounded like the NAT table in front of this (cleared when full, rebuilt on use)
+        # target sockaddr -> (address, channel + wire head), and the head -> sockaddr for replies:
+        # built once per target, bounded like the NAT table in front of this (cleared when full,
+        # rebuilt on use)
         self.heads: dict[tuple[str, int], tuple[IPAddress, bytes]] = {}
         self.replies: dict[bytes, tuple[str, int]] = {}
         self.closed = False
@@ -132,14 +144,14 @@ class PortalUdp:
         cached = self.heads.get(sockaddr)
         if cached is None:
             cached = self._head(sockaddr)
-        ip, head = cached
+        ip, prefix = cached
         route = self.hub.mesh.lookup(ip)
         if route is None:
             if self.local is not None and not in_any(ip, self.hub.rules.vnets):
                 return self.local.sendto(data, sockaddr, family)
             _DROP_NO_ROUTE.inc()
             return False
-        ok: bool = self.hub.mesh.send_datagram(route.node_id, UDP_CHANNEL, head + data)
+        ok: bool = self.hub.mesh.send_datagram_prefixed(route.node_id, prefix, data)
         if ok:
             _SENT.inc()
             if len(self.sent_to) < self.hub.max_targets:
@@ -152,23 +164,26 @@ class PortalUdp:
             self.replies.clear()
         ip = ipaddress.ip_address(sockaddr[0])
         head = encode_head(self.assoc, ip, sockaddr[1])
-        self.heads[sockaddr] = (ip, head)
+        cached = self.heads[sockaddr] = (ip, MeshService.datagram_prefix(UDP_CHANNEL, head))
         self.replies[head] = (sockaddr[0], sockaddr[1])
-        return ip, head
+        return cached
 
-    def reply_wire(self, data: bytes, n: int) -> None:
-        """A reply whose wire head is the first `n` bytes of `data`."""
-        addr = self.replies.get(data[:n])
+    def reply_wire(self, data: memoryview, n: int) -> None:
+        """A reply whose wire head is the first `n` bytes of `data` (a view, valid during the call)."""
+        addr = self.replies.get(bytes(data[:n]))
         if addr is None:  # not a head we sent (or the table was cleared since): parse it
             _, ip, port, _ = decode(data)
             addr = (str(ip), port)
-        view = memoryview(data)[n:]
+        view = data[n:]
         try:
             self.reply(addr, view)
         finally:
             view.release()
 
     def reply(self, addr: tuple[str, int], payload: memoryview) -> None:
+        if self.on_view is not None:
+            self.on_view(payload, addr)
+            return
         buf = self.pool.get()
         try:
             buf.write(payload)
@@ -202,7 +217,7 @@ class _EgressAssoc:
 
     def __init__(self, now: float) -> None:
         self.socks: list[LocalUdpEgress] = []
-        # per slot: real source -> the reply's wire head (the address the portal asked for)
+        # per slot: real source -> the reply's channel and wire head (the address the portal asked for)
         self.by_real: list[dict[tuple[str, int], bytes]] = []
         # the request's wire head after the association id (port, family, address) -> (slot, real, family)
         self.asked: dict[bytes, tuple[int, tuple[str, int], int]] = {}
@@ -229,8 +244,8 @@ class UdpHub:
 
         self.portals: dict[int, PortalUdp] = {}
         self.egress: dict[tuple[int, int], _EgressAssoc] = {}
-        self.mesh.on_datagram(UDP_CHANNEL, self._from_portal)
-        self.mesh.on_datagram(UDP_REPLY_CHANNEL, self._from_egress)
+        self.mesh.on_datagram_view(UDP_CHANNEL, self._from_portal)
+        self.mesh.on_datagram_view(UDP_REPLY_CHANNEL, self._from_egress)
         self._expiry = self.loop.call_later(max(0.05, self.idle / 2), self._expire)
 
     async def open_portal(self, on_datagram: OnDatagram, pool: BufferPool, direct: bool) -> PortalUdp:
@@ -238,7 +253,7 @@ class UdpHub:
         return PortalUdp(self, on_datagram, pool, direct)
 
     # portal -> egress
-    def _from_portal(self, src: int, data: bytes) -> None:
+    def _from_portal(self, src: int, data: memoryview) -> None:
         n = head_len(data)
         if not n:
             _DROP_BAD.inc()
@@ -255,12 +270,12 @@ class UdpHub:
                 return
             entry = self.egress[key] = _EgressAssoc(now)
         entry.last = now
-        asked = data[_ASSOC.size : n]
+        asked = bytes(data[_ASSOC.size : n])
         target = entry.asked.get(asked) or self._new_target(key, entry, asked, data)
         if target is None:
             return
         slot, real, family = target
-        payload = memoryview(data)[n:]
+        payload = data[n:]
         try:
             if entry.socks[slot].sendto(payload, real, family):
                 _RECEIVED.inc()
@@ -268,7 +283,7 @@ class UdpHub:
             payload.release()
 
     def _new_target(
-        self, key: tuple[int, int], entry: _EgressAssoc, asked: bytes, data: bytes
+        self, key: tuple[int, int], entry: _EgressAssoc, asked: bytes, data: memoryview
     ) -> tuple[int, tuple[str, int], int] | None:
         _, ip, port, _ = decode(data)  # head_len() checked the head
         asked_port = port
@@ -304,7 +319,8 @@ class UdpHub:
         if slot == len(entry.socks):
             entry.socks.append(LocalUdpEgress(self.loop, self._replier(key, slot), self.pool))
             entry.by_real.append({})
-        entry.by_real[slot][real] = encode_head(key[1], ip, port)
+        head = encode_head(key[1], ip, port)
+        entry.by_real[slot][real] = MeshService.datagram_prefix(UDP_REPLY_CHANNEL, head)
         target = entry.asked[asked] = (slot, real, real_ip.version)
         return target
 
@@ -314,8 +330,8 @@ class UdpHub:
     # egress: a reply from a target
     def _reply(self, key: tuple[int, int], slot: int, buf: Buffer, addr: tuple[str, int]) -> None:
         entry = self.egress.get(key)
-        head = entry.by_real[slot].get(addr) if entry is not None else None
-        if head is None:
+        prefix = entry.by_real[slot].get(addr) if entry is not None else None
+        if prefix is None:
             buf.recycle()
             _DROP_UNKNOWN.inc()
             return
@@ -323,13 +339,13 @@ class UdpHub:
         entry.last = self.loop.time()
         view = buf.view()
         try:
-            self.mesh.send_datagram(key[0], UDP_REPLY_CHANNEL, head + view)
+            self.mesh.send_datagram_prefixed(key[0], prefix, view)
         finally:
             view.release()
-            buf.recycle()  # the join copied the payload
+            buf.recycle()  # the link's batch (or the seal) took its own copy
 
     # egress -> portal
-    def _from_egress(self, src: int, data: bytes) -> None:
+    def _from_egress(self, src: int, data: memoryview) -> None:
         n = head_len(data)
         if not n:
             _DROP_BAD.inc()

@@ -11,8 +11,11 @@ SOCKS header is prepended in place. Fragmented datagrams (FRAG != 0) are
 dropped and counted, as RFC 1928 allows for a server that does not reassemble.
 
 Targets go through the `NatTable` (bounded, idle expiry) and out through the
-dialer's UDP egress, so the mesh can later carry them instead. The
-association ends with its TCP control connection.
+dialer's UDP egress, so the mesh can later carry them instead. A reply that
+comes over the mesh arrives as a view into the opened mesh record; it goes to
+the client with its SOCKS header in one `sendmsg` (header and payload as two
+parts), never copied into a buffer first. The association ends with its TCP
+control connection.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING
 from meshgate.buffers import Buffer
 from meshgate.egress.dialer import DialError, UdpEgress
 from meshgate.gateway import socks5
+from meshgate.gateway.mesh_udp import PortalUdp
 from meshgate.gateway.nat import NatTable, TargetKey
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY
@@ -112,6 +116,8 @@ class UdpAssociation:
         except BaseException:
             assoc.close()
             raise
+        if isinstance(assoc.egress, PortalUdp):
+            assoc.egress.on_view = assoc._target_view  # mesh replies: no copy into a buffer
         return assoc
 
     def _expiry_period(self) -> float:
@@ -283,6 +289,22 @@ class UdpAssociation:
         finally:
             view.release()
             buf.recycle()  # sendto copied it, or the datagram is dropped
+        if self._to_client >= _BATCH:
+            self._flush_counters()
+
+    def _target_view(self, payload: memoryview, addr: tuple[str, int]) -> None:
+        """A reply from a target over the mesh, `payload` a view valid during this call: the
+        SOCKS header and the payload leave in one datagram (sendmsg gathers both parts)."""
+        entry = self.nat.reply_entry(addr, self.loop.time())
+        if entry is None or self.client_addr is None or self.closed:
+            _DROP_UNSOLICITED.inc()
+            return
+        self._activity = True
+        try:
+            self.sock.sendmsg((entry.header, payload), (), 0, self.client_addr)
+            self._to_client += 1
+        except OSError:
+            _DROP_SEND.inc()
         if self._to_client >= _BATCH:
             self._flush_counters()
 

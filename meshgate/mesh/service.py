@@ -89,6 +89,8 @@ _rlog = RateLimitedLog(log)
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 DatagramCallback = Callable[[int, bytes], None]
+# a handler that reads the payload in place: the view is valid only during the call
+DatagramViewCallback = Callable[[int, memoryview], None]
 CHANNEL = struct.Struct("!H")
 STREAM_FRAMES = frozenset(range(STREAM_OPEN, STREAM_RESET + 1))  # frames.STREAM_OPEN .. STREAM_RESET
 UNREACH = struct.Struct("!IB")  # UNREACHABLE body: the destination a relay could not reach, code
@@ -206,6 +208,7 @@ class MeshService:
         self.links: dict[int, list[LinkBase]] = {}  # neighbour id -> established links
         self.pending: set[LinkBase] = set()  # links still in their handshake
         self._datagram_handlers: dict[int, DatagramCallback] = {}
+        self._datagram_views: dict[int, DatagramViewCallback] = {}
         self._listening: list[Listening] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         # mesh.peers: the task keeping each one, and the link it dialed (closed when removed)
@@ -1115,10 +1118,23 @@ class MeshService:
 
     # ------------------------------------------------------------------ datagrams
 
-    def send_datagram(self, node_id: int, channel: int, payload: bytes) -> bool:
+    def send_datagram(self, node_id: int, channel: int, payload: bytes | memoryview) -> bool:
         """Unreliable: False when there is no route or the link is congested (dropped, counted)."""
+        return self.send_datagram_prefixed(node_id, CHANNEL.pack(channel), payload)
+
+    @staticmethod
+    def datagram_prefix(channel: int, head: bytes = b"") -> bytes:
+        """The bytes of a DATAGRAM body before its payload: the channel, then `head` (a
+        feature's own header). Built once per destination by a caller that sends many."""
+        return CHANNEL.pack(channel) + head
+
+    def send_datagram_prefixed(self, node_id: int, prefix: bytes, payload: bytes | memoryview) -> bool:
+        """`send_datagram` with the body's start prebuilt (`datagram_prefix`): prefix and payload
+        go into the link's batch as two parts, so the payload is not first joined to its headers
+        in a temporary copy (the caller may reuse its buffer as soon as this returns)."""
         if node_id == self.node_id:
-            self.loop.call_soon(self._deliver_datagram, node_id, channel, bytes(payload))
+            channel = CHANNEL.unpack_from(prefix)[0]
+            self.loop.call_soon(self._deliver_datagram, node_id, channel, b"".join((prefix[2:], payload)))
             return True
         flags = self.policy_flag
         link = self._route_link(node_id, flags)
@@ -1128,13 +1144,12 @@ class MeshService:
         if link.buffered() > self.link_buffer:
             _datagrams.labels("dropped_congested").inc()
             return False
-        head = CHANNEL.pack(channel)
         assert link.peer is not None
-        if link.peer.node_id != node_id:  # relayed: sealed end to end
+        if link.peer.node_id != node_id:  # relayed: sealed end to end (the seal takes one body)
             if self.traversal is not None:
                 self.traversal.relayed(node_id)
-            return self._send_sealed(link, node_id, DATAGRAM, flags, head + bytes(payload), True)
-        link.send_frame(DATAGRAM, flags, DEFAULT_HOP_LIMIT, self.node_id, node_id, head, payload)
+            return self._send_sealed(link, node_id, DATAGRAM, flags, b"".join((prefix, payload)), True)
+        link.send_frame(DATAGRAM, flags, DEFAULT_HOP_LIMIT, self.node_id, node_id, prefix, payload)
         return True
 
     def datagram_room(self, node_id: int) -> int:
@@ -1148,15 +1163,38 @@ class MeshService:
         return room - CHANNEL.size
 
     def on_datagram(self, channel: int, callback: DatagramCallback) -> None:
+        """`callback(src, payload)` for each datagram on `channel`, the payload its own bytes."""
+        self._datagram_views.pop(channel, None)
         self._datagram_handlers[channel] = callback
+
+    def on_datagram_view(self, channel: int, callback: DatagramViewCallback) -> None:
+        """`callback(src, view)` for each datagram on `channel`: the payload read in place in the
+        opened record, no copy; the view is released when the callback returns."""
+        self._datagram_handlers.pop(channel, None)
+        self._datagram_views[channel] = callback
 
     def _on_datagram(self, src: int, body: memoryview) -> None:
         if len(body) < 2:
             _datagrams.labels("malformed").inc()
             return
-        self._deliver_datagram(src, CHANNEL.unpack_from(body)[0], bytes(body[2:]))
+        channel = CHANNEL.unpack_from(body)[0]
+        if channel in self._datagram_views:
+            self._deliver_view(src, channel, body[2:])
+            return
+        self._deliver_datagram(src, channel, bytes(body[2:]))
+
+    def _deliver_view(self, src: int, channel: int, payload: memoryview) -> None:
+        try:
+            self._datagram_views[channel](src, payload)
+        except Exception:
+            log.exception("datagram handler for channel %d failed", channel)
+        finally:
+            payload.release()  # a handler that kept it fails loudly instead of reading reused memory
 
     def _deliver_datagram(self, src: int, channel: int, payload: bytes) -> None:
+        if channel in self._datagram_views:  # delivered to this node by itself (send_datagram)
+            self._deliver_view(src, channel, memoryview(payload))
+            return
         handler = self._datagram_handlers.get(channel)
         if handler is None:
             _datagrams.labels("no_handler").inc()
