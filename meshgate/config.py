@@ -45,7 +45,7 @@ DNS_LISTENER_KINDS: dict[str, DnsListenerKind] = {
 }
 DNS_PROTOCOLS = tuple(DNS_LISTENER_KINDS)
 # dns.upstreams URL schemes (meshgate/dns/upstream.py's UPSTREAMS registry; the same test).
-UPSTREAM_SCHEMES = ("udp", "tcp", "tls", "https", "quic", "odoh")
+UPSTREAM_SCHEMES = ("udp", "tcp", "tls", "https", "quic", "odoh", "odoh-mesh")
 ODOH_MODES = ("target", "proxy", "dual")
 DEFAULT_STATE_DIR = "~/.local/state/meshgate"
 
@@ -255,6 +255,9 @@ class DnsConfig:
     # other node forwards those names here over the mesh (dns/mesh_dns.py)
     serve_suffixes: tuple[str, ...] = ()
     mesh_routes: bool = True  # forward names under other nodes' serve_suffixes to them
+    # ODoH through the mesh (dns/mesh_odoh.py): answer sealed questions of any member / carry them
+    mesh_odoh_target: bool = False
+    mesh_odoh_proxy: bool = False
 
 
 @dataclass(frozen=True)
@@ -966,7 +969,8 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
 
     d = _section(r, raw, "dns")
     r.table(d, "dns.", ["zone", "upstreams", "cache_size", "records", "listener", "workers", "route",
-                          "blocklist", "query_log", "serve_suffixes", "mesh_routes"])
+                          "blocklist", "query_log", "serve_suffixes", "mesh_routes",
+                          "mesh_odoh_target", "mesh_odoh_proxy"])
     records_raw = d.get("records", {})
     records: list[tuple[str, str]] = []
     if not isinstance(records_raw, dict):
@@ -1000,6 +1004,8 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         query_log=_read_query_log(r, d, base.dns.query_log) if "query_log" in d else base.dns.query_log,
         serve_suffixes=_read_serve_suffixes(r, d, zone, base.dns.serve_suffixes),
         mesh_routes=r.value(d, "dns.", "mesh_routes", _parse_bool, base.dns.mesh_routes),
+        mesh_odoh_target=r.value(d, "dns.", "mesh_odoh_target", _parse_bool, base.dns.mesh_odoh_target),
+        mesh_odoh_proxy=r.value(d, "dns.", "mesh_odoh_proxy", _parse_bool, base.dns.mesh_odoh_proxy),
     )
 
     tun = r.dataclass_fields(_section(r, raw, "tun"), "tun.", base.tun)

@@ -45,6 +45,7 @@ from meshgate.statedir import StateDirLock
 
 if TYPE_CHECKING:
     from meshgate.dns.mesh_dns import MeshDnsClient, MeshDnsServer
+    from meshgate.dns.mesh_odoh import MeshOdoh
     from meshgate.dns.resolver import Pipeline
     from meshgate.dns.service import DnsService
     from meshgate.dns.upstream import Dial
@@ -124,6 +125,7 @@ class Node:
         self.udp_hub: UdpHub | None = None
         self.mesh_dns_client: MeshDnsClient | None = None  # split DNS through the mesh, both ways
         self.mesh_dns_server: MeshDnsServer | None = None
+        self.mesh_odoh: MeshOdoh | None = None  # ODoH through the mesh: asker, proxy, target
         self._stopped = asyncio.Event()
 
     def _plan(self) -> list[Service]:
@@ -146,12 +148,20 @@ class Node:
                                                      limits.dns_upstream_max_queries)
                 mesh_dns = MeshDnsRoutes(self.mesh_dns_client, lambda: self._mesh().dns_servers(),
                                          dns.serve_suffixes)
+            if mesh_on:
+                from meshgate.dns.mesh_odoh import MeshOdoh
+
+                # odoh-mesh:// upstreams, and the proxy / target roles (dns.mesh_odoh_*)
+                self.mesh_odoh = MeshOdoh(self._mesh_odoh_send, self._find_node, limits,
+                                          proxy=dns.mesh_odoh_proxy)
             self.resolver = Pipeline(
                 cfg,
                 names=self._mesh_names if mesh_on else None,
                 upstream_route=self._upstream_route if mesh_on else None,
-                mesh_dns=mesh_dns,
+                mesh_dns=mesh_dns, mesh_odoh=self.mesh_odoh,
             )
+            if self.mesh_odoh is not None and dns.mesh_odoh_target:
+                self.mesh_odoh.serve_target(self.resolver)
         dial_kw: dict[str, Any] = {
             "connect_timeout": limits.socks5_connect_timeout,
             "resolver": self.resolver,
@@ -229,11 +239,15 @@ class Node:
     def _serve_mesh_dns(self, rules: ExitRules) -> None:
         """Mesh DNS both ways on the mesh's datagram channels: answers to this node's questions
         (dns.mesh_routes), and questions for its own dns.serve_suffixes, from members the
-        [[acl]] rules (the current ones: a reload replaces rules.acl) let reach port 53/udp."""
+        [[acl]] rules (the current ones: a reload replaces rules.acl) let reach port 53/udp.
+        ODoH through the mesh on its own channel."""
         from meshgate.egress.acl import source_in
-        from meshgate.mesh.channels import DNS_ANSWER, DNS_QUERY
+        from meshgate.mesh.channels import DNS_ANSWER, DNS_QUERY, ODOH
 
         mesh = self._mesh()
+        if self.mesh_odoh is not None:
+            mesh.on_datagram(ODOH, self.mesh_odoh.on_datagram)
+            self.mesh_odoh.start()  # the target's key rotation
         if self.mesh_dns_client is not None:
             mesh.on_datagram(DNS_ANSWER, self.mesh_dns_client.on_answer)
         suffixes = self.config.dns.serve_suffixes
@@ -249,6 +263,34 @@ class Node:
             self.mesh_dns_server = MeshDnsServer(self.resolver, self._mesh_send, DNS_ANSWER, suffixes,
                                                  admit, MAX_BODY - SEAL_OVERHEAD - CHANNEL.size)
             mesh.on_datagram(DNS_QUERY, self.mesh_dns_server.on_query)
+
+    def _mesh_odoh_send(self, node_id: int, payload: bytes) -> bool:
+        from meshgate.mesh.channels import ODOH
+
+        return self._mesh().send_datagram(node_id, ODOH, payload)
+
+    def _find_node(self, ref: str) -> int | None:
+        """An odoh-mesh:// URL's node: `exit` (where this node's traffic leaves the mesh), a
+        node name, a virtual IP or an 8-digit hex node id; None when no reachable node is it."""
+        mesh = self._mesh()
+        table = mesh.table
+        if ref == "exit":
+            route = table.exit_route(latency=bool(mesh.policy_flag))
+            return route.node_id if route is not None else None
+        try:
+            route = mesh.lookup(ipaddress.ip_address(ref))
+            return route.node_id if route is not None and route.kind in ("self", "peer") else None
+        except ValueError:
+            pass
+        reachable = table.reachable()
+        for origin in reachable:
+            if table.records[origin].name == ref:
+                return origin
+        try:
+            nid = int(ref, 16) if len(ref) == 8 else None
+        except ValueError:
+            nid = None
+        return nid if nid is not None and nid in table.hop_paths else None
 
     def _dns_log(self, since: int) -> dict[str, Any]:
         """GET /dns/log?since=N: the pipeline's [dns.query_log] entries newer than N."""
@@ -306,6 +348,8 @@ class Node:
             self.mesh_dns_server.close()
         if self.mesh_dns_client is not None:
             self.mesh_dns_client.close()
+        if self.mesh_odoh is not None:
+            self.mesh_odoh.close()
         while self.services:
             svc = self.services.pop()
             try:

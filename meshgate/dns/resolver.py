@@ -96,12 +96,14 @@ def upstream_urls(config: Config) -> list[str]:
 
 
 def configured_upstreams(
-    config: Config, route: MeshRoute | None
+    config: Config, route: MeshRoute | None, mesh_odoh: object = None
 ) -> tuple[list[Upstream], dict[str, list[Upstream]]]:
     """The Upstream objects of dns.upstreams (else resolv.conf's) and of each [[dns.route]]."""
-    ups = [parse_upstream(u, limits=config.limits, route=route) for u in upstream_urls(config)]
-    return ups, {r.suffix: [parse_upstream(u, limits=config.limits, route=route) for u in r.upstreams]
-                 for r in config.dns.routes}
+    def one(url: str) -> Upstream:
+        return parse_upstream(url, limits=config.limits, route=route, mesh_odoh=mesh_odoh)
+
+    return [one(u) for u in upstream_urls(config)], {r.suffix: [one(u) for u in r.upstreams]
+                                                      for r in config.dns.routes}
 
 
 def upstream_spans(config: Config) -> int:
@@ -114,7 +116,7 @@ class Pipeline:
     def __init__(self, config: Config, *, names: Names | None = None,
                  upstream_route: MeshRoute | None = None, upstreams: list[Upstream] | None = None,
                  routes: dict[str, list[Upstream]] | None = None, pooled: bool = True,
-                 mesh_dns: MeshRoutes | None = None) -> None:
+                 mesh_dns: MeshRoutes | None = None, mesh_odoh: object = None) -> None:
         """`mesh_dns` adds routes for the suffixes other nodes serve (dns/mesh_dns.py).
         `upstreams` replaces the configured ones (tests, DNS workers) and then `routes`
         (suffix -> upstreams) replaces dns.route's: none unless given, so a DNS worker sends
@@ -130,9 +132,10 @@ class Pipeline:
         self.pool = BufferPool(BUFFER_CAPACITY, BUFFER_HEADROOM, config.limits.buffer_pool_size)
         self.upstream_route = upstream_route
         self.mesh_dns = mesh_dns
+        self.mesh_odoh = mesh_odoh  # odoh-mesh:// upstreams' hub (dns/mesh_odoh.py), when in a mesh
         self._retired: list[Upstream] = []  # replaced by a reload, closed after a grace time
         if upstreams is None:
-            upstreams, configured = configured_upstreams(config, upstream_route)
+            upstreams, configured = configured_upstreams(config, upstream_route, mesh_odoh)
             routes = configured if routes is None else routes
         self._use_upstreams(upstreams, routes or {})
         self._pending: dict[tuple[bytes, int, int, bool], asyncio.Task[tuple[Answer, str]]] = {}
@@ -261,7 +264,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()  # first: nothing is swapped if there is none
         old = [up for group in self.routes.groups() for up in group.upstreams]
         grace = self.timeout * max(len(g.upstreams) for g in self.routes.groups()) + 1
-        self._use_upstreams(*configured_upstreams(config, self.upstream_route))
+        self._use_upstreams(*configured_upstreams(config, self.upstream_route, self.mesh_odoh))
         self.cache.clear()
         self._retired.extend(old)
         loop.call_later(grace, self._close_retired, old)

@@ -71,6 +71,7 @@ UPSTREAMS: dict[str, str] = {
     "https": "meshgate.dns.upstream:HttpsUpstream",
     "quic": "meshgate.dns.upstream:QuicUpstream",
     "odoh": "meshgate.dns.odoh_client:OdohUpstream",
+    "odoh-mesh": "meshgate.dns.mesh_odoh:MeshOdohUpstream",
 }
 
 
@@ -81,6 +82,7 @@ class UpstreamOptions:
     verify: bool | str = True  # certificate checks: True (system CAs), a CA file, or False (none)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
     route: MeshRoute | None = None  # only plain tcp:// uses it
+    mesh_odoh: object = None  # odoh-mesh:// (dns/mesh_odoh.MeshOdoh): the node's, when in a mesh
 
 
 def split_host_port(text: str, default_port: int) -> tuple[str, int]:
@@ -340,14 +342,14 @@ def upstream_class(scheme: str) -> type[Upstream]:
 
 
 def parse_upstream(url: str, verify: bool | str = True, limits: LimitsConfig | None = None,
-                   route: MeshRoute | None = None) -> Upstream:
+                   route: MeshRoute | None = None, mesh_odoh: object = None) -> Upstream:
     scheme, sep, rest = url.partition("://")
     if not sep:
         raise ValueError(f"{url!r} is not an upstream URL")
     if scheme not in UPSTREAMS:
         raise ValueError(f"unsupported upstream scheme {scheme!r}")
     rest, _, sni = rest.partition("#")
-    options = UpstreamOptions(verify, limits or LimitsConfig(), route)
+    options = UpstreamOptions(verify, limits or LimitsConfig(), route, mesh_odoh)
     return upstream_class(scheme).from_url(url, rest.rstrip("/"), sni, options)
 
 

@@ -11,3 +11,4 @@ L3_BUNDLE = 4  # TUN: several packets for one node from one read batch
 SOCKS_UDP_REPLY = 5  # SOCKS5 UDP ASSOCIATE, egress node -> portal
 DNS_QUERY = 6  # split DNS through the mesh: request id + DNS query (dns/mesh_dns.py)
 DNS_ANSWER = 7  # its answer, request id + DNS message
+ODOH = 8  # oblivious DNS through the mesh: asker, proxy and target messages (dns/mesh_odoh.py)
