@@ -32,7 +32,8 @@ C_VIP = "10.144.7.3"
 # certificate mode: what each node's certificate grants (C: the CIDRs and the exit of
 # C_MESH_EXIT, and the catch-all the catch-all test advertises)
 GRANTS: dict[str, dict[str, Any]] = {
-    "c": {"cidrs": ("10.1.2.0/24", "10.1.2.0/24->10.2.2.0/24", "0.0.0.0/0"), "exit": True},
+    "c": {"cidrs": ("10.1.2.0/24", "10.1.2.0/24->10.2.2.0/24", "0.0.0.0/0"), "exit": True,
+          "dns": ("lan.test.",)},
 }
 CAS: dict[Path, TestCA] = {}  # workdir -> the network's CA, in certificate mode
 
@@ -59,7 +60,12 @@ PORTAL = '[socks5]\nlisten = "127.0.0.1:1080"\n[serve]\n8080 = "127.0.0.1:8080"\
 NO_PORTAL = "[socks5]\nenable = false\n"
 C_MESH_EXIT = ('peers = ["tcp://172.31.2.2:11010"]\nexit_node = true\n'
                'proxy_cidrs = ["10.1.2.0/24", "10.1.2.0/24->10.2.2.0/24"]')
-C_EXTRA = PORTAL + '[dns]\nrecords = { "inet.test." = "198.51.100.10", "sneaky.test." = "172.31.2.2" }\n'
+# C answers lan.test. for the whole mesh (dns.serve_suffixes) from the lan's resolver, which
+# only C reaches; A asks its own DNS listener and gets the lan's answer over the mesh
+C_EXTRA = PORTAL + ('[dns]\nrecords = { "inet.test." = "198.51.100.10", "sneaky.test." = "172.31.2.2" }\n'
+                    'serve_suffixes = ["lan.test."]\n'
+                    '[[dns.route]]\nsuffix = "lan.test."\nupstreams = ["udp://10.1.2.10:5353"]\n')
+A_DNS = '[dns]\n[[dns.listener]]\nprotocol = "udp"\nlisten = "127.0.0.1:5353"\n'
 
 
 @pytest.fixture(scope="module", params=["secret", "certificate"])
@@ -135,7 +141,7 @@ def start_a(t: Topology, exit_nodes: str, needs: str = C_USUAL) -> None:
     A_EXIT.pop(t.prefix, None)
     t.stop("a")
     mesh = f'peers = ["tcp://172.31.1.2:11010"]\nexit_nodes = {exit_nodes}\ndirect_fallback = false'
-    node_toml("a", t.workdir, "10.144.7.1", mesh, PORTAL)
+    node_toml("a", t.workdir, "10.144.7.1", mesh, PORTAL + A_DNS)
     t.start_node("a")
     wait_route(t, "a", C_VIP, needs=needs)
     wait_listening(t, "a", "127.0.0.1:1080")
@@ -254,3 +260,19 @@ def test_what_a_node_does_not_publish_is_unreachable(a_auto: Topology, port: int
     direct fallback, took anyone anywhere past A's exit policy."""
     r = curl(a_auto, f"http://{C_VIP}:{port}/status")
     assert r.returncode == 97 and "(2)" in r.stderr, r.stderr
+
+
+def test_a_name_under_cs_served_suffix_is_answered_by_the_lan_resolver_over_the_mesh(
+        a_auto: Topology) -> None:
+    """Split DNS through the mesh: A has no route of its own for lan.test. and no path to the lan
+    (dig straight at the lan resolver gets nothing); A's DNS listener answers from it anyway,
+    because C's signed record says C serves lan.test. (in certificate mode: C's certificate
+    grants it)."""
+    dig = require_tool("dig")
+    wait_listening(a_auto, "a", "127.0.0.1:5353", udp=True)
+    direct = a_auto.nsexec("a", dig, "+short", "+time=1", "+tries=1", "@10.1.2.10", "-p", "5353",
+                           "printer.lan.test")
+    assert "10.1.2.99" not in direct.stdout
+    r = a_auto.nsexec("a", dig, "+short", "+time=3", "+tries=2", "@127.0.0.1", "-p", "5353",
+                      "printer.lan.test")
+    assert r.stdout.split() == ["10.1.2.99"], r.stdout + r.stderr + a_auto.log("a") + a_auto.log("c")
