@@ -31,6 +31,7 @@ from meshgate.mesh.frames import (
     DATAGRAM,
     DATAGRAM_SEALED,
     E2E_INIT,
+    FLAG_AES,
     RECORD,
     SEALED,
     TAG,
@@ -39,7 +40,7 @@ from meshgate.mesh.frames import (
     SendCipher,
 )
 from meshgate.mesh.identity import Identity, node_id_of
-from meshgate.mesh.noise import HandshakeState, NoiseError
+from meshgate.mesh.noise import CAP_AES, CHACHA20_POLY1305, HandshakeState, NoiseError, Suite, choose_suite
 
 PATTERN = "IK"
 PROLOGUE = b"meshgate e2e|" + bytes((VERSION,)) + b"|"
@@ -51,6 +52,14 @@ INNER = struct.Struct("!BB")  # sealed stream frame: inner type, inner flags
 SEAL_OVERHEAD = INDEX.size + RECORD.size + TAG + INNER.size
 HANDSHAKE_RESEND = 1.0  # seconds before message 1 goes again (lost, or no route yet)
 HANDSHAKE_GIVE_UP = 10.0  # and before the queued frames are dropped
+# The AEAD negotiation (docs/PROTOCOL.md section 11): message 1 must stay what responders from
+# before it accept, so the initiator's offer is the E2E_INIT frame's FLAG_AES bit (they ignore
+# it); a new responder always answers in message 2's payload (OFFER_V1, the suite it chose, its
+# capability bits, the bits it saw offered), sealed under both ends' keys, and the initiator
+# refuses an answer whose echo is not what it offered (a relay cleared or set the bit) or
+# whose suite the rule does not give. Old responders answer an empty payload: ChaCha20-Poly1305.
+OFFER_V1 = 0x01
+ANSWER = struct.Struct("!BBBB")  # OFFER_V1, chosen suite, responder's bits, offered bits seen
 
 
 class E2eError(Exception):
@@ -76,6 +85,7 @@ class Session:
     peer_index: int = 0
     send: SendCipher | None = None
     recv: RecvCipher | None = None
+    suite: Suite = CHACHA20_POLY1305  # the negotiated AEAD, once established
     queue: collections.deque[Queued] = field(default_factory=collections.deque)
     queued_bytes: int = 0
     started: float = 0.0
@@ -91,9 +101,12 @@ class E2e:
 
     def __init__(
         self, identity: Identity, network: str, cert: bytes, check_peer: PeerCheck,
-        max_sessions: int = 1024, queue_bytes: int = 1 << 20, rekey_after: int = 1 << 30,
+        max_sessions: int = 1024, queue_bytes: int = 1 << 20, rekey_after: int = 1 << 30, caps: int = 0,
     ) -> None:
         self.identity = identity
+        self.caps = caps  # our AEAD capability bits (noise.CAP_AES)
+        # the flags an E2E_INIT frame carries: the initiator's offer
+        self.init_flags = FLAG_AES if caps & CAP_AES else 0
         self.prologue = PROLOGUE + network.encode()
         self.cert = cert
         self.check_peer = check_peer
@@ -186,9 +199,12 @@ class E2e:
 
     # ------------------------------------------------------------------ receiving
 
-    def on_init(self, src: int, body: bytes, now: float) -> tuple[bytes | None, list[tuple[int, bytes]]]:
-        """Message 1 from `src`: (our E2E_RESP body or None, frames now sealed for `src`).
-        Raises E2eError(reason) when it must be dropped (counted by the caller)."""
+    def on_init(
+        self, src: int, body: bytes, now: float, flags: int = 0
+    ) -> tuple[bytes | None, list[tuple[int, bytes]]]:
+        """Message 1 from `src` in an E2E_INIT frame with `flags` (the offer): (our E2E_RESP body
+        or None, frames now sealed for `src`). Raises E2eError(reason) when it must be dropped
+        (counted by the caller)."""
         if len(body) < INDEX.size:
             raise E2eError("malformed")
         peer_index = INDEX.unpack_from(body)[0]
@@ -218,13 +234,15 @@ class E2e:
         if reason is not None:
             raise E2eError(reason)
         s = Session(src, self._new_index(), False, msg1=msg1, peer_index=peer_index, started=now)
+        offered = CAP_AES if flags & FLAG_AES else 0
+        s.suite = choose_suite(self.caps, offered)
         try:
-            s.msg2 = hs.write_message(b"")
+            s.msg2 = hs.write_message(ANSWER.pack(OFFER_V1, s.suite.code, self.caps, offered))
         except NoiseError:
             raise E2eError("handshake") from None
         i2r, r2i = hs.split()
         assert i2r.k is not None and r2i.k is not None
-        s.send, s.recv = SendCipher(r2i.k, self.rekey_after), RecvCipher(i2r.k)
+        s.send, s.recv = SendCipher(r2i.k, self.rekey_after, s.suite), RecvCipher(i2r.k, s.suite)
         queued: collections.deque[Queued] = mine.queue if mine is not None else collections.deque()
         self._add(s)
         self.counts["responded"] += 1
@@ -242,16 +260,34 @@ class E2e:
         if s is None or s.peer != src or not s.initiator or s.hs is None:
             raise E2eError("unknown_session")
         try:
-            s.hs.read_message(bytes(body[RESP_HEAD.size:]))
+            answer = s.hs.read_message(bytes(body[RESP_HEAD.size:]))
         except NoiseError:
             raise E2eError("handshake") from None
+        suite = self._answered_suite(answer)
+        if suite is None:
+            s.hs = None  # refused: later copies of this message 2 are unknown_session
+            raise E2eError("bad_aead")
+        s.suite = suite
         i2r, r2i = s.hs.split()
         assert i2r.k is not None and r2i.k is not None
-        s.send, s.recv = SendCipher(i2r.k, self.rekey_after), RecvCipher(r2i.k)
+        s.send, s.recv = SendCipher(i2r.k, self.rekey_after, s.suite), RecvCipher(r2i.k, s.suite)
         s.hs, s.peer_index = None, peer_index
         queued, s.queue, s.queued_bytes = s.queue, collections.deque(), 0
         self.counts["established"] += 1
         return [self._sealed(s, t, f, b, t == DATAGRAM) for t, f, b in queued]
+
+    def _answered_suite(self, answer: bytes) -> Suite | None:
+        """The suite of message 2's answer, or None when it must be refused: it does not echo
+        our offer (changed on the way: a downgrade attempt) or names what the rule does not give."""
+        if not answer:
+            return CHACHA20_POLY1305  # a responder from before the negotiation
+        if len(answer) != ANSWER.size:
+            return None
+        marker, code, theirs, seen = ANSWER.unpack(answer)
+        expected = choose_suite(self.caps, theirs)
+        if marker != OFFER_V1 or seen != self.caps & CAP_AES or code != expected.code:
+            return None
+        return expected
 
     def open(self, src: int, body: memoryview, datagram: bool) -> tuple[int, int, bytes]:
         """A sealed frame from `src`: (inner type, inner flags, inner body). E2eError to drop."""

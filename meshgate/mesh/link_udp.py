@@ -50,7 +50,15 @@ from meshgate.mesh.links import LinkBase, LinkOwner
 from meshgate.mesh.noise import local_caps
 from meshgate.mesh.traversal import KIND_PROBE
 from meshgate.mesh.tun_routes import mark_socket
-from meshgate.mesh.udp_session import KIND_DATA, KIND_INIT, UdpSession, is_init, payload_size, receiver_id
+from meshgate.mesh.udp_session import (
+    DATA,
+    KIND_DATA,
+    KIND_INIT,
+    UdpSession,
+    is_init,
+    payload_size,
+    receiver_id,
+)
 from meshgate.metrics import REGISTRY, LocalCounter
 from meshgate.netfmt import host_port
 
@@ -74,6 +82,8 @@ IPV6_RECVPKTINFO = getattr(socket, "IPV6_RECVPKTINFO", 49)
 IP_TTL = getattr(socket, "IP_TTL", 2)
 IPV6_HOPLIMIT = getattr(socket, "IPV6_HOPLIMIT", 52)
 Cmsg = tuple[int, int, bytes]
+# (read buffer, bytes read, GRO segment size, source address, packet info) -> bytes handled
+BatchHandler = Callable[[memoryview, int, int, Any, "Cmsg | None"], int]
 
 _packets = REGISTRY.counter("meshgate_mesh_udp_link_packets_total", "Packets on udp:// links", ("direction",))
 _gso_batches = REGISTRY.counter(
@@ -126,10 +136,14 @@ class UdpSocket:
         limits: LimitsConfig,
         connected: bool,
         pktinfo: bool = False,
+        on_batch: BatchHandler | None = None,
     ) -> None:
         self.loop = loop
         self.sock = sock
         self.on_packet = on_packet
+        # a whole read (a GRO batch) at once: one call for what is nearly always one session's
+        # data packets; it returns how far it got, and on_packet takes the rest one by one
+        self.on_batch = on_batch
         self.connected = connected
         self.read_batch = limits.udp_link_read_batch
         self.queue_limit = limits.udp_link_send_queue
@@ -177,7 +191,7 @@ class UdpSocket:
 
     def _readable(self) -> None:
         sock, view, buf = self.sock, self._view, self._buf
-        on_packet = self.on_packet
+        on_packet, on_batch = self.on_packet, self.on_batch
         # the bound counts packets, not reads: one GRO read may hold 64 of them
         count, budget, reads = 0, self.read_batch, 0
         while count < budget and reads < budget:
@@ -205,10 +219,12 @@ class UdpSocket:
                     src = (socket.IPPROTO_IPV6, IPV6_PKTINFO, data[:16] + bytes(4))
             if step <= 0:
                 step = n
-            off = 0
+            count += (n + step - 1) // step
+            off = on_batch(view, n, step, addr, src) if on_batch is not None and n else 0
+            if self.closed:
+                return
             while off < n:
                 end = min(n, off + step)
-                count += 1
                 on_packet(view[off:end], addr, src)
                 off = end
                 if self.closed:
@@ -419,6 +435,25 @@ class UdpLink(LinkBase):
             return
         self._flush_soon()
 
+    def batch_received(self, view: memoryview, n: int, step: int) -> int:
+        """A read of `n` bytes, packets of `step` bytes (a GRO batch): this session's data packets
+        from the front, all in one session call; returns where they ended (the caller takes the
+        rest, if any, one by one: a handshake packet, another session's)."""
+        if self._gone:
+            return n
+        now = self.loop.time()
+        try:
+            good, used = self.session.receive_batch(view, n, step, now)
+        except LinkError as e:
+            self.fail(e.reason, str(e))
+            return n
+        self.bytes_in += used
+        if good:
+            self.last_rx = now
+        if used:
+            self._flush_soon()
+        return used
+
     def moved_packet(self, packet: memoryview, addr: Any, src: Cmsg | None) -> bool:
         """A data packet for this session from another address (listeners only): opened like
         any other; if authentic and the newest record so far, the peer moved there. False:
@@ -594,13 +629,24 @@ class UdpListener:
         self.by_id: dict[int, UdpLink] = {}
         self.by_addr: dict[Any, UdpLink] = {}  # the newest session of each source address
         wildcard = sock.getsockname()[0] in ("0.0.0.0", "::")
-        self.usock = UdpSocket(loop, sock, self._on_packet, limits, connected=False, pktinfo=wildcard)
+        self.usock = UdpSocket(loop, sock, self._on_packet, limits, connected=False, pktinfo=wildcard,
+                               on_batch=self._on_batch)
         # NAT traversal probes on this socket (mesh/traversal.py); None: dropped as unknown
         self.on_probe: Callable[[memoryview, Any, Cmsg | None], None] | None = None
 
     @property
     def sockname(self) -> Any:
         return self.usock.sock.getsockname()
+
+    def _on_batch(self, view: memoryview, n: int, step: int, addr: Any, src: Cmsg | None) -> int:
+        """A read whose first packet is a data packet of a session at this address goes to that
+        session whole (the usual case: a GRO batch of one peer's packets); else none of it."""
+        if n < DATA.size or view[0] != KIND_DATA:
+            return 0
+        link = self.by_id.get(DATA.unpack_from(view)[1])
+        if link is None or link.addr != addr:
+            return 0  # unknown, or a peer that moved: _on_packet decides
+        return link.batch_received(view, n, step)
 
     def _on_packet(self, packet: memoryview, addr: Any, src: Cmsg | None) -> None:
         if packet and packet[0] == KIND_INIT:
@@ -729,7 +775,8 @@ async def connect(
         sock.connect(addr)
         holder: list[UdpLink] = []
         usock = UdpSocket(
-            loop, sock, lambda p, _a, _s: holder[0].datagram_received(p), limits, connected=True
+            loop, sock, lambda p, _a, _s: holder[0].datagram_received(p), limits, connected=True,
+            on_batch=lambda v, n, step, _a, _s: holder[0].batch_received(v, n, step),
         )
     except BaseException:
         sock.close()

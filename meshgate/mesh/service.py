@@ -58,6 +58,7 @@ from meshgate.mesh.frames import (
 from meshgate.mesh.identity import Identity, IdentityError, fingerprint, load_or_create
 from meshgate.mesh.link_kinds import LINK_KINDS, Listening
 from meshgate.mesh.links import Link, LinkBase
+from meshgate.mesh.noise import local_caps
 from meshgate.mesh.routing import (
     Record,
     RecordError,
@@ -175,6 +176,7 @@ class MeshService:
         self.e2e = E2e(
             identity, self.network, self._own_cert_raw, self._check_e2e_peer,
             max_sessions=limits.e2e_sessions, queue_bytes=limits.e2e_queue_bytes,
+            caps=local_caps(limits.aes_instructions),
         )
         self.handshake_timeout = limits.handshake_timeout
         self.ping_interval = limits.mesh_ping_interval
@@ -872,7 +874,7 @@ class MeshService:
                 return
             body = memoryview(plain)
         elif ftype == E2E_INIT:
-            self._on_e2e_init(link, src, body)
+            self._on_e2e_init(link, src, flags, body)
             return
         elif ftype == E2E_RESP:
             self._on_e2e_resp(link, src, body)
@@ -909,9 +911,9 @@ class MeshService:
         _rlog.debug(f"e2e:{reason}:{src}", "end-to-end frame from %08x (via %s) dropped: %s",
                     src, link.url, reason)
 
-    def _on_e2e_init(self, link: LinkBase, src: int, body: memoryview) -> None:
+    def _on_e2e_init(self, link: LinkBase, src: int, flags: int, body: memoryview) -> None:
         try:
-            resp, flush = self.e2e.on_init(src, bytes(body), self.loop.time())
+            resp, flush = self.e2e.on_init(src, bytes(body), self.loop.time(), flags)
         except E2eError as e:
             self._e2e_drop(e.reason, src, link)
             return
@@ -950,7 +952,8 @@ class MeshService:
         frames, _ = self.e2e.seal(dst, static, ftype, flags, body, self.loop.time(), datagram)
         outer = flags & FLAG_LATENCY
         for otype, obody in frames:
-            link.send_frame(otype, outer, DEFAULT_HOP_LIMIT, self.node_id, dst, obody)
+            oflags = outer | self.e2e.init_flags if otype == E2E_INIT else outer  # the AEAD offer
+            link.send_frame(otype, oflags, DEFAULT_HOP_LIMIT, self.node_id, dst, obody)
         return True
 
     def _next_hop(self, dst: int, flags: int) -> int | None:

@@ -80,6 +80,7 @@ KIND_DATA = 4
 
 HS = struct.Struct("!B4sBII")  # kind, magic, version, sender id, receiver id
 DATA = struct.Struct("!BI")  # kind, receiver id
+DATA_HEAD = struct.Struct("!BIIBQ")  # kind, receiver id, then the record header (frames.RECORD)
 DATA_OVERHEAD = DATA.size + RECORD.size + TAG  # bytes of a data packet that are not plaintext
 INIT_PADDING = 64  # msg1 payload: makes msg1 (126 B) no smaller than msg2 (113 B)
 # The AEAD offer (docs/PROTOCOL.md section 2.6) rides in the Noise payloads, so the transcript
@@ -402,40 +403,76 @@ class UdpSession:
 
     def receive(self, packet: bytes | bytearray | memoryview, now: float) -> bool:
         """One UDP payload. True when it was authentic (liveness); LinkError ends the link."""
-        if not packet:
-            self.malformed += 1
-            return False
-        if packet[0] != KIND_DATA:
-            self._receive_handshake(packet, now)
-            return False
+        n = len(packet)
+        view = packet if isinstance(packet, memoryview) else memoryview(packet)
+        good, used = self.receive_batch(view, n, n, now)
+        if not used:
+            return self._receive_other(packet, now)
+        return bool(good)
+
+    def receive_batch(self, buf: memoryview, n: int, step: int, now: float) -> tuple[int, int]:
+        """The data packets of this session at the front of `buf[:n]`, each `step` bytes (the
+        last may be shorter): a GRO batch in one call, the per-packet work inline (at ~1 Gbit/s
+        a node opens ~80,000 packets a second; a Python call per layer per packet showed).
+        Returns (authentic packets, bytes used); it stops before the first packet that is not a
+        data packet for this session (the caller routes that one: a handshake, another session's).
+        Bad ones of ours are counted and skipped."""
         recv = self.recv
         if recv is None:
-            self.unexpected += 1  # data before msg3 (msg3 lost): the sender retransmits
-            return False
-        if len(packet) < DATA_OVERHEAD:
-            self.malformed += 1
-            return False
-        rid = DATA.unpack_from(packet)[1]
-        length, epoch, counter = RECORD.unpack_from(packet, DATA.size)
-        if rid != self.local_id or length != len(packet) - DATA.size - 4:
-            self.malformed += 1
-            return False
-        view = packet if isinstance(packet, memoryview) else memoryview(packet)
-        hstart = DATA.size
-        plain = recv.open(view[hstart : hstart + RECORD.size], epoch, counter, view[hstart + RECORD.size :])
-        if plain is None:
-            if recv.window.highest >= counter and epoch == recv.epoch:
-                self.replayed += 1
+            return 0, 0
+        local_id = self.local_id
+        unpack = DATA_HEAD.unpack_from
+        good = 0
+        off = 0
+        while off < n:
+            end = off + step
+            if end > n:
+                end = n
+            if end - off < DATA_OVERHEAD or buf[off] != KIND_DATA:
+                break
+            _, rid, length, epoch, counter = unpack(buf, off)
+            if rid != local_id:
+                break
+            if length != end - off - DATA.size - 4:
+                self.malformed += 1
+                off = end
+                continue
+            hstart = off + DATA.size
+            body = hstart + RECORD.size
+            plain = recv.open(buf[hstart:body], epoch, counter, buf[body:end])
+            off = end
+            if plain is None:
+                if recv.window.highest >= counter and epoch == recv.epoch:
+                    self.replayed += 1
+                else:
+                    self.forged += 1
+                continue
+            good += 1
+            if not self.confirmed:
+                self.confirmed = True
+                self._hs_at = None
+                self._hs_packet = None
+            if plain[0] == CH_ACK and len(plain) >= ACK.size:  # every packet starts with one
+                _, wire, sack = ACK.unpack_from(plain)
+                if sack or wire != self.snd_una & MASK:  # else nothing new: most packets of a bulk transfer
+                    self._on_ack(wire, sack, now)
+                self._chunks(plain, ACK.size, now)
             else:
-                self.forged += 1
-            return False
-        self.packets_in += 1
-        if not self.confirmed:
-            self.confirmed = True
-            self._hs_at = None
-            self._hs_packet = None
-        self._chunks(plain, now)
-        return True
+                self._chunks(plain, 0, now)
+        self.packets_in += good
+        return good, off
+
+    def _receive_other(self, packet: bytes | bytearray | memoryview, now: float) -> bool:
+        """Everything but a well-formed data packet of an established session."""
+        if not packet:
+            self.malformed += 1
+        elif packet[0] != KIND_DATA:
+            self._receive_handshake(packet, now)
+        elif self.recv is None:
+            self.unexpected += 1  # data before msg3 (msg3 lost): the sender retransmits
+        else:
+            self.malformed += 1  # too short
+        return False
 
     def newest(self, packet: bytes | bytearray | memoryview) -> bool:
         """Whether this data packet, just accepted by `receive`, is the newest record seen (the
@@ -446,8 +483,8 @@ class UdpSession:
         _, epoch, counter = RECORD.unpack_from(packet, DATA.size)
         return bool(epoch == recv.epoch and recv.window.highest == counter)
 
-    def _chunks(self, plain: bytes, now: float) -> None:
-        pos, end = 0, len(plain)
+    def _chunks(self, plain: bytes, pos: int, now: float) -> None:
+        end = len(plain)
         view = memoryview(plain)
         while pos < end:
             t = plain[pos]
@@ -459,24 +496,6 @@ class UdpSession:
                 if end - pos < n:
                     break
                 self._on_segment(wire, view[pos : pos + n])
-                pos += n
-            elif t == CH_ACK:
-                if end - pos < ACK.size:
-                    break
-                _, wire, sack = ACK.unpack_from(plain, pos)
-                pos += ACK.size
-                self._on_ack(wire, sack, now)
-            elif t == CH_DGRAM:
-                if end - pos < DGRAM.size:
-                    break
-                n = DGRAM.unpack_from(plain, pos)[1]
-                pos += DGRAM.size
-                if end - pos < n:
-                    break
-                if self._frames_seen:
-                    self.malformed += iter_frames(bytes(view[pos : pos + n]), self.on_frame)
-                else:
-                    self.unexpected += 1  # before the HELLO (still on its way): the link is not up
                 pos += n
             elif t == CH_DFRAG:
                 if end - pos < DFRAG.size:
@@ -493,6 +512,24 @@ class UdpSession:
                 else:
                     self.unexpected += 1
                 pos += n
+            elif t == CH_DGRAM:
+                if end - pos < DGRAM.size:
+                    break
+                n = DGRAM.unpack_from(plain, pos)[1]
+                pos += DGRAM.size
+                if end - pos < n:
+                    break
+                if self._frames_seen:
+                    self.malformed += iter_frames(bytes(view[pos : pos + n]), self.on_frame)
+                else:
+                    self.unexpected += 1  # before the HELLO (still on its way): the link is not up
+                pos += n
+            elif t == CH_ACK:
+                if end - pos < ACK.size:
+                    break
+                _, wire, sack = ACK.unpack_from(plain, pos)
+                pos += ACK.size
+                self._on_ack(wire, sack, now)
             elif t == CH_CLOSE:
                 raise LinkError("closed", "peer closed the link")
             else:
@@ -508,6 +545,21 @@ class UdpSession:
             self._expire(now)
         n = len(piece)
         entry = frags.get(fid)
+        if entry is not None and off == entry.end and total == entry.total:
+            # the next piece in order of a datagram being put together (nearly every piece):
+            # nothing it could overlap, its total already checked; only its own size and the bytes
+            last = off + n
+            cost = n + PIECE_COST
+            if (n and (last == total or (last < total and n >= FRAG_MIN))
+                    and self._frag_bytes + cost <= self.reassembly_bytes):
+                entry.pieces[off] = piece
+                entry.got += n
+                entry.cost += cost
+                entry.end = last
+                self._frag_bytes += cost
+                if entry.got == total:
+                    self._complete(fid, entry)
+                return
         if (
             total < FRAME.size or off + n > total or not n
             or (off + n < total and n < FRAG_MIN)  # a sender cuts pieces of FRAG_MIN at least
@@ -544,8 +596,10 @@ class UdpSession:
             entry.end = off + n
         else:
             entry.in_order = False
-        if entry.got < total:
-            return
+        if entry.got == total:
+            self._complete(fid, entry)
+
+    def _complete(self, fid: int, entry: _Reassembly) -> None:
         # no piece overlaps another and they add up to the total: they cover it exactly
         self._drop_entry(fid)
         pieces = entry.pieces

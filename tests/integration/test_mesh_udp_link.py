@@ -146,6 +146,7 @@ async def test_vanished_peer_is_detected_and_reconnected() -> None:
         (link,) = _udp_links(a)
         sock = link.sock
         sock.on_packet = lambda p, addr, src: None  # a's side goes deaf: b's pongs never arrive
+        sock.on_batch = None
         await async_wait_until(lambda: a.stats["link_dead"] >= 1, 5, "dead link noticed")
         assert sock.closed  # the initiator's socket went with its link
         await async_wait_until(lambda: converged([a, b]) and _udp_links(a) != [link], 15, "new link")

@@ -1,0 +1,131 @@
+"""Per-packet CPU of a udp:// link session, in process (no sockets): what udp_session costs
+to send and to receive one 1,472-byte packet, sealing and opening included.
+
+    .venv/bin/python bench/udp_packets.py [--rounds 5] [--packets 40000] [--ab REF] [--json FILE]
+
+Two sessions are joined in memory (handshake included); the sender queues work, the packets
+it produces are handed to the receiver, whose ACKs go back. Workloads:
+
+* `tun`: 32 KiB DATAGRAM frames (the TUN device's super-packets), cut into DFRAG pieces
+  and reassembled (TCP through TUN over udp:// links).
+* `stream`: 16 KiB STREAM_DATA frames on the reliable channel (mesh streams, SOCKS5).
+
+Variants: `aes` and `chacha` (limits.aes_instructions yes / no on both ends: the
+negotiated suite); with `--ab REF` also `REF` (udp_session as of git REF, ChaCha20-Poly1305
+as it then was), in a child process with REF's package first on sys.path; ratios are then
+against it. Reported: µs of CPU per packet to send (queue + packets_to_send) and to receive
+(receive + the ACKs it sends back), tracemalloc-free (process CPU time, os.times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import Metrics, Runner, add_args, git_tree, report, selected
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def measure(workload: str, packets: int, caps: int | None) -> Metrics:
+    """One run in this process with whatever `meshgate` sys.path finds first."""
+    import inspect
+
+    from meshgate.mesh.frames import DATAGRAM, PING, STREAM_DATA
+    from meshgate.mesh.udp_session import UdpSession
+
+    psk = bytes(range(32))
+    got = [0]
+
+    def on_frame(ftype: int, flags: int, hop: int, src: int, dst: int, body: memoryview) -> None:
+        got[0] += len(body)
+
+    extra: dict[str, Any] = {}
+    if caps is not None and "caps" in inspect.signature(UdpSession).parameters:
+        extra["caps"] = caps
+    a = UdpSession(True, "bench", psk, on_frame, 1, window=4 << 20, **extra)
+    b = UdpSession(False, "bench", psk, on_frame, 2, window=4 << 20, **extra)
+    now = 0.0
+    a.start(now)
+    a.send_frame(PING, 0, 1, 0, 0, bytes(8))  # datagrams wait for the first reliable frame (the HELLO)
+    for _ in range(6):
+        for p in a.packets_to_send(now):
+            b.receive(p, now)
+        for p in b.packets_to_send(now):
+            a.receive(p, now)
+    assert a.established and b.established
+    body = bytes(32768) if workload == "tun" else bytes(4) + bytes(16384)
+    ftype = DATAGRAM if workload == "tun" else STREAM_DATA
+    send_cpu = recv_cpu = 0.0
+    sent = 0
+    clock = time.process_time
+    while sent < packets:
+        t0 = clock()
+        for _ in range(8):
+            a.send_frame(ftype, 0, 8, 1, 2, body)
+        out = a.packets_to_send(now)
+        t1 = clock()
+        for p in out:
+            b.receive(p, now)
+        acks = b.packets_to_send(now)
+        t2 = clock()
+        for p in acks:
+            a.receive(p, now)
+        t3 = clock()
+        send_cpu += (t1 - t0) + (t3 - t2)
+        recv_cpu += t2 - t1
+        sent += len(out)
+        now += 0.001
+    if got[0] < sent * 1000:
+        raise RuntimeError(f"{got[0]} bytes delivered for {sent} packets")
+    return {"send_us/pkt": send_cpu / sent * 1e6, "recv_us/pkt": recv_cpu / sent * 1e6,
+            "delivered_MB": got[0] / 1e6}
+
+
+def in_child(tree: Path, workload: str, packets: int) -> Metrics:
+    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(ROOT)!r}); "
+            "from bench.udp_packets import measure; "
+            f"print(json.dumps(measure({workload!r}, {packets}, None)))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tree)
+    result: Metrics = json.loads(r.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    ap.add_argument("--packets", type=int, default=40000, help="packets per measurement")
+    ap.add_argument("--ab", metavar="REF", help="also udp_session as of git REF (child process)")
+    args = ap.parse_args()
+    from meshgate.mesh.noise import CAP_AES
+
+    tree = git_tree(args.ab, tempfile.mkdtemp(prefix="meshgate-bench-udp-")) if args.ab else None
+    runners = []
+    for workload in ("tun", "stream"):
+        baseline = args.ab if args.ab else "chacha"
+        r = Runner(f"udp session per packet: {workload}", rounds=args.rounds, baseline=baseline)
+        variants: list[tuple[str, Any]] = [
+            ("aes", lambda w=workload: measure(w, args.packets, CAP_AES)),
+            ("chacha", lambda w=workload: measure(w, args.packets, 0)),
+        ]
+        if tree is not None:
+            variants.append((args.ab, lambda w=workload: in_child(tree, w, args.packets)))
+        for name, fn in variants:
+            if selected(args, name) or name == baseline:
+                r.add(name, fn)
+        r.run()
+        runners.append(r)
+    report(runners, json_path=args.json, ratio_metrics=["send_us/pkt", "recv_us/pkt"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
