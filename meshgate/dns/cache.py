@@ -24,32 +24,38 @@ Key = tuple[bytes, int, int]
 class AnswerCache:
     def __init__(self, size: int) -> None:
         self.size = max(size, 1)
-        self._entries: OrderedDict[Key, Answer] = OrderedDict()
+        # Read directly by the UDP fast path (dns/preformed.py), which serves a hit without get()
+        # and counts it with count_hits().
+        self.entries: OrderedDict[Key, Answer] = OrderedDict()
         self._hit = _hits.labels()
         self._miss = _misses.labels()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
     def get(self, key: Key, now: float) -> Answer | None:
-        ans = self._entries.get(key)
+        ans = self.entries.get(key)
         if ans is None:
             self._miss.inc()
             return None
         if now - ans.stored >= ans.ttl:
-            del self._entries[key]
+            del self.entries[key]
             self._miss.inc()
             return None
-        self._entries.move_to_end(key)
+        self.entries.move_to_end(key)
         self._hit.inc()
         return ans
+
+    def count_hits(self, n: int) -> None:
+        """Hits served without get() (the UDP fast path), counted in batches."""
+        self._hit.inc(n)
 
     def put(self, key: Key, ans: Answer) -> bool:
         """Store if cacheable (positive TTL). The caller has already checked that the
         answer is for `key` (wire.parse_response refuses any other question)."""
         if ans.ttl <= 0:
             return False
-        entries = self._entries
+        entries = self.entries
         entries[key] = ans
         entries.move_to_end(key)
         while len(entries) > self.size:
@@ -58,4 +64,4 @@ class AnswerCache:
         return True
 
     def clear(self) -> None:
-        self._entries.clear()
+        self.entries.clear()

@@ -42,11 +42,12 @@ class ListenerStats:
             self._drops.clear()
             self._errors.clear()
 
-    def response(self, rcode: int) -> None:
+    def response(self, rcode: int, n: int = 1) -> None:
+        """`n` responses with `rcode` (n > 1: a batch, the UDP fast path's)."""
         c = self._responses.get(rcode)
         if c is None:
             c = self._responses[rcode] = _responses.labels(self.name, RCODE_NAMES.get(rcode, str(rcode)))
-        c.inc()
+        c.inc(n)
 
     def drop(self, reason: str) -> None:
         c = self._drops.get(reason)

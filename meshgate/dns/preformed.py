@@ -1,0 +1,156 @@
+"""Preformed UDP answers: the cache-hit fast path's table, sans-I/O (bytes and `now` in, bytes out).
+
+The general path (resolver.Frontend) parses every query, looks it up and packs the answer. For
+UDP the answer is a function of the query's bytes after its ID (flags, question with its letter
+case, EDNS size, DO bit and options) and of the Answer it comes from, aged to the second. So once
+the general path has answered a query from the cache or from local data, `learn()` packs the same
+answer once more and stores it under those bytes; `answer()` then serves a repeat of that query
+with a dictionary look-up: the stored bytes behind the new ID, the TTLs re-patched when the age
+moved to another second. Nothing is parsed on a hit.
+
+A stored answer is served only while the general path would give the same bytes:
+
+- the pipeline's memo of local decisions still holds what it held when learned (the mesh zone,
+  dns.records and the blocklist decide before the cache: a name that became local, or blocked,
+  or a memo cleared by a reload or a new name table, sends the query back to the general path),
+  and the memo's one-second epoch has not run out (lookup() then re-reads the blocklist);
+- for a cache answer, the cache still holds that very Answer object, unexpired.
+
+Blocked answers are left to the general path (they count per list). The query log, when on,
+sees every question, so the listener then keeps to the general path. A hit keeps the cache's
+LRU order and is counted like a general hit, in batches (`take_counts`).
+
+The table is bounded (`limits.dns_udp_fast_entries`): full, it is emptied and refilled by what
+is asked next, as the pipeline's memo is.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from meshgate.buffers import Buffer
+from meshgate.dns import wire
+from meshgate.dns.resolver import _NOT_LOCAL, Pipeline, _Blocked
+from meshgate.dns.wire import Answer, Query
+
+_U32 = struct.Struct(">I")
+_SCRATCH = 4096 + 512  # one packing buffer: a UDP answer is at most OUR_UDP_SIZE, TC'd beyond
+
+
+def udp_limit(q: Query) -> int:
+    """The size a UDP answer to `q` may have: the client's EDNS size capped to avoid
+    fragmentation (DNS flag day 2020), 512 without EDNS (what Frontend.query applies)."""
+    return min(q.udp_size, wire.OUR_UDP_SIZE) if q.edns else 512
+
+
+class _Entry:
+    __slots__ = ("age", "ans", "key", "offsets", "rcode", "source", "tail")
+
+    def __init__(self, tail: bytes, age: int, ans: Answer, key: tuple[bytes, int, int], source: Answer,
+                 offsets: tuple[int, ...]) -> None:
+        self.tail = tail  # the packed answer after its 2-byte ID
+        self.age = age  # the age its TTLs carry
+        self.ans = ans
+        self.key = key
+        self.source = source  # what the pipeline's memo held for `key` (_NOT_LOCAL: the cache)
+        self.offsets = offsets  # TTL offsets in `tail` (none when the answer was truncated)
+        self.rcode = ans.rcode
+
+
+class PreformedAnswers:
+    def __init__(self, pipeline: Pipeline, size: int) -> None:
+        self.pipeline = pipeline
+        self.size = size
+        self._table: dict[bytes, _Entry] = {}
+        self._scratch = Buffer(_SCRATCH, 0)
+        # counted on hits, taken in batches by the listener (take_counts)
+        self.hits = 0
+        self.cache_hits = 0
+        self.rcodes = [0] * 16
+        self._last: _Entry | None = None
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def answer(self, data: bytes, now: float) -> bytes | None:
+        """The answer to `data` if it repeats a learned query and is still what the general path
+        would send; None: ask the general path."""
+        e = self._table.get(data[2:])
+        if e is None:
+            return None
+        p = self.pipeline
+        if now >= p._memo_until or p._memo.get(e.key) is not e.source:
+            return None
+        ans = e.ans
+        if e.source is _NOT_LOCAL:
+            cache = p.cache
+            if cache.entries.get(e.key) is not ans or now - ans.stored >= ans.ttl:
+                return None
+            cache.entries.move_to_end(e.key)
+            self.cache_hits += 1
+        if ans.aging:
+            age = int(now - ans.stored)
+            if age != e.age and age > 0:
+                patched = bytearray(e.tail)
+                for off, ttl in zip(e.offsets, ans.ttls, strict=False):
+                    _U32.pack_into(patched, off, ttl - age if ttl > age else 0)
+                e.tail = bytes(patched)
+                e.age = age
+        self.hits += 1
+        self.rcodes[e.rcode] += 1
+        self._last = e
+        return data[:2] + e.tail
+
+    def unanswered(self) -> None:
+        """The answer just given is not sent after all (the client is over its rate limit, which
+        the general path checks before it looks anything up): take its counts back."""
+        e = self._last
+        assert e is not None
+        self.hits -= 1
+        self.rcodes[e.rcode] -= 1
+        if e.source is _NOT_LOCAL:
+            self.cache_hits -= 1
+
+    def learn(self, data: bytes, now: float) -> None:
+        """After the general path answered `data` at once: store its answer if it came from the
+        cache or from local data (not blocked), packed exactly as the general path packs it."""
+        if len(data) < 12 or self.size <= 0:
+            return
+        try:
+            q = wire.parse_query(data)
+        except (wire.WireError, wire.FormError):
+            return
+        p = self.pipeline
+        key = (q.name, q.qtype, q.qclass)
+        source = p._memo.get(key)
+        if source is None or type(source) is _Blocked or now >= p._memo_until:
+            return
+        if source is _NOT_LOCAL:
+            ans = p.cache.entries.get(key)
+            if ans is None or now - ans.stored >= ans.ttl:
+                return
+        else:
+            ans = source
+        buf = self._scratch
+        if wire.packed_size(ans, q, q.padding) > buf.capacity:
+            return
+        wire.pack_answer(buf, ans, q, now, limit=udp_limit(q), pad=q.padding)
+        out = buf.data[buf.start + 2 : buf.start + buf.length]
+        # TTLs sit where they sit in ans.wire (the question is the client's, of the same length);
+        # a truncated answer (header, question, OPT) has none.
+        offsets = tuple(o - 2 for o in ans.ttl_offsets) if buf.length >= len(ans.wire) else ()
+        age = int(now - ans.stored) if ans.aging else 0
+        table = self._table
+        if len(table) >= self.size:
+            table.clear()
+        table[data[2:]] = _Entry(bytes(out), max(age, 0), ans, key, source, offsets)
+
+    def take_counts(self) -> tuple[int, int, list[int]]:
+        """(hits, cache hits, hits by rcode) since the last call, and zero them."""
+        out = (self.hits, self.cache_hits, self.rcodes)
+        self.hits = self.cache_hits = 0
+        self.rcodes = [0] * 16
+        return out
+
+    def clear(self) -> None:
+        self._table.clear()
