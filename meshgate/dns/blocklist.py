@@ -25,6 +25,7 @@ malformed line: counted per list and skipped, never an exception.
 from __future__ import annotations
 
 import array
+import asyncio
 import bisect
 import heapq
 import ipaddress
@@ -265,28 +266,70 @@ class ListFile:
         self.loaded = False
         self.failures = 0
         self.error = ""
+        self.task: asyncio.Task[None] | None = None
+        self.on_change: Callable[[], None] = lambda: None
+
+    def _read(self) -> tuple[tuple[int, int], Parsed] | None:
+        """(stamp, rules) of the file if its mtime or size changed, else None; OSError as is."""
+        st = os.stat(self.path)
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self.stamp:
+            return None
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            return stamp, parse_compact(f, allowlist=self.allowlist)
 
     def load(self, *, starting: bool = False) -> bool:
-        """Re-read the file if its mtime or size changed; True when `parsed` changed. A failure
+        """Re-read the file now if its mtime or size changed; True when `parsed` changed. A failure
         keeps the last good copy, is counted and logged (rate-limited per path)."""
         try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size)
-            if stamp == self.stamp:
-                return False
-            with open(self.path, encoding="utf-8", errors="replace") as f:
-                parsed = parse_compact(f, allowlist=self.allowlist)
+            got = self._read()
         except OSError as e:
-            self.failures += 1
-            self.error = f"{type(e).__name__}: {e.strerror or e}"
-            _failures.labels(self.path).inc()
-            kept = "keeping its last good copy" if self.loaded else "nothing loaded from it"
-            if starting:
-                log.warning("dns.blocklist: cannot read %s (%s); %s", self.path, self.error, kept)
-            else:
-                rlog.warning(f"blocklist {self.path}", "dns.blocklist: cannot read %s (%s); %s",
-                             self.path, self.error, kept)
+            self._failed(e, starting)
             return False
+        if got is None:
+            return False
+        self._take(*got)
+        return True
+
+    def kick(self) -> bool:
+        """Re-read a changed file in a thread (a million lines take seconds to parse, which on
+        the event loop would stall every answer and the mesh); `on_change` runs once the new
+        rules are in. False when a read is still running or no event loop runs (then: load())."""
+        if self.task is not None and not self.task.done():
+            return False
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        self.task = loop.create_task(self._refresh())
+        return True
+
+    async def _refresh(self) -> None:
+        try:
+            got = await asyncio.to_thread(self._read)
+        except OSError as e:
+            self._failed(e, False)
+            return
+        if got is not None:
+            self._take(*got)
+            self.on_change()
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    def _failed(self, e: OSError, starting: bool) -> None:
+        self.failures += 1
+        self.error = f"{type(e).__name__}: {e.strerror or e}"
+        _failures.labels(self.path).inc()
+        kept = "keeping its last good copy" if self.loaded else "nothing loaded from it"
+        if starting:
+            log.warning("dns.blocklist: cannot read %s (%s); %s", self.path, self.error, kept)
+        else:
+            rlog.warning(f"blocklist {self.path}", "dns.blocklist: cannot read %s (%s); %s",
+                         self.path, self.error, kept)
+
+    def _take(self, stamp: tuple[int, int], parsed: Parsed) -> None:
         self.parsed = parsed
         self.stamp = stamp
         self.loaded = True
@@ -296,7 +339,6 @@ class ListFile:
         if parsed.malformed:
             rlog.warning(f"blocklist malformed {self.path}", "dns.blocklist: %s: %d malformed lines skipped",
                          self.path, parsed.malformed)
-        return True
 
     def status(self) -> dict[str, object]:
         return {"kind": ALLOW if self.allowlist else BLOCK, "loaded": self.loaded,
@@ -319,7 +361,18 @@ class Blocklist:
         self.files: list[Any] = []  # ListFile, or blocklist_url.UrlList for a URL
         self.urls: list[Any] = []
         kept = {(u.path, u.allowlist): u for u in previous.urls} if previous is not None else {}
+        # a reload keeps the lists it still names with their rules; a changed one is re-read in
+        # a thread (below), so the old copy answers meanwhile and the loop never stalls
+        kept_files = {(f.path, f.allowlist): f for f in previous.files
+                      if isinstance(f, ListFile)} if previous is not None else {}
+        reread: list[ListFile] = []
         for source, allowlist in sources:
+            if "://" not in source and (source, allowlist) in kept_files:
+                held = kept_files.pop((source, allowlist))
+                held.on_change = self._build
+                self.files.append(held)
+                reread.append(held)
+                continue
             if "://" in source:
                 if url_list is None:
                     raise ValueError(f"{source!r}: URL lists need a url_list factory")
@@ -332,15 +385,21 @@ class Blocklist:
                 self.urls.append(url)
                 self.files.append(url)
             else:
-                self.files.append(ListFile(source, allowlist))
-        for gone in kept.values():
+                new = ListFile(source, allowlist)
+                new.on_change = self._build
+                self.files.append(new)
+                if previous is not None:
+                    reread.append(new)  # a list a reload adds: read in a thread too
+                else:
+                    new.load(starting=True)  # at start, before anything is answered
+        for gone in [*kept.values(), *kept_files.values()]:
             gone.cancel()
         self.interval = refresh
         self.block = self.allow = NameTable()
         self.block_labels = self.allow_labels = 0
-        for f in self.files:
-            if isinstance(f, ListFile):
-                f.load(starting=True)
+        for f in reread:
+            if not f.kick():
+                f.load()  # no event loop runs (tests, tools): read it now
         self._build()
         self.next_check = now + refresh
         # URL lists: downloaded now if an event loop runs, else at the first refresh() (from the
@@ -366,10 +425,10 @@ class Blocklist:
         self.next_check = now + self.interval
         changed = False
         for f in self.files:
-            if isinstance(f, ListFile):
+            # in the background (a file in a thread, a URL downloaded): the result rebuilds
+            # the table; without an event loop a file is read now
+            if not f.kick() and isinstance(f, ListFile) and f.task is None:
                 changed = f.load() or changed
-            else:
-                f.kick()  # a download in the background; its result rebuilds the table
         if changed:
             self._build()
         return changed

@@ -157,6 +157,40 @@ async def test_a_cached_name_blocked_later_is_not_served_from_the_cache_and_a_de
         await node.stop()
 
 
+async def test_a_big_changed_list_is_parsed_beside_answering_and_then_blocks(
+        tmp_path: Path, auth: TagAuthority) -> None:
+    """A list file that changes is re-read in a thread: while its 300,000 lines parse, the node
+    keeps answering from the old rules (a parse on the event loop held every answer, and the
+    mesh's pings, for the whole parse: about 10 s for a million lines), then the new rules block."""
+    node = Node(node_config(tmp_path, auth, refresh=0.2))
+    await node.start()
+    try:
+        _svc, _url, port = udp_port(node)
+        assert node.resolver is not None and node.resolver.blocklist is not None
+        assert await ask(port, "late.example") == ("NOERROR", [UP])
+        big = "".join(f"n{i}.bulk.example\n" for i in range(300_000))
+        (tmp_path / "ads.txt").write_text(ADS + big + "late.example\n")
+        listfile = node.resolver.blocklist.files[0]
+
+        async def parsing() -> bool:
+            await ask(port, "other.example")  # questions trigger the re-read check
+            return listfile.task is not None and not listfile.task.done()
+
+        await async_wait_until(parsing, 15, "the changed list being parsed")
+        # answered while the parse runs, by the old rules (ads still blocked, late not yet)
+        assert await ask(port, "tracker.example") == ("NXDOMAIN", [])
+        assert await ask(port, "news2.example") == ("NOERROR", [UP])
+        assert listfile.task is not None and not listfile.task.done(), "answered only after the parse"
+
+        async def late_blocked() -> bool:
+            return await ask(port, "late.example") == ("NXDOMAIN", [])
+
+        await async_wait_until(late_blocked, 60, "the new rules in")
+        assert await ask(port, "n299999.bulk.example") == ("NXDOMAIN", [])
+    finally:
+        await node.stop()
+
+
 async def test_a_missing_list_at_start_is_not_a_start_up_failure(tmp_path: Path, auth: TagAuthority) -> None:
     cfg = node_config(tmp_path, auth)
     (tmp_path / "ads.txt").unlink()
