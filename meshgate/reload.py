@@ -23,7 +23,7 @@ MESH_OFFERS = frozenset({"mesh.proxy_cidrs", "mesh.exit_node"})
 MESH_EXITS = frozenset({"mesh.exit_nodes", "mesh.direct_fallback"})
 DNS_UPSTREAMS = frozenset({"dns.upstreams", "dns.routes"})
 DNS_BLOCKLIST = frozenset({"dns.blocklist.lists", "dns.blocklist.allow", "dns.blocklist.answer",
-                           "dns.blocklist.refresh"})
+                           "dns.blocklist.refresh", "dns.blocklist.rebinding"})
 # [limits] the portals read when a timer is armed or a connection arrives (gateway/server.py)
 PORTAL_LIMITS = frozenset({"limits.socks5_handshake_timeout", "limits.socks5_idle_timeout",
                            "limits.socks5_max_clients_per_source"})

@@ -85,6 +85,7 @@ _blocked = REGISTRY.counter(
     ("reason",)
 )
 _blocked_list = _blocked.labels("list")
+_blocked_rebinding = _blocked.labels("rebinding")
 _overload = REGISTRY.counter(
     "meshgate_dns_inflight_dropped_total", "Queries dropped because dns_max_inflight were in flight"
 )
@@ -206,6 +207,11 @@ class Pipeline:
         by = self.blocklist.blocked_by(q.name)
         if by is None:
             return None
+        return self._block_answer(q, f"blocked {by}")
+
+    def _block_answer(self, q: Query, source: str) -> Answer:
+        """What a blocked question gets (`dns.blocklist.answer`); `source` names why (the query
+        log's: `blocked LIST`, `blocked rebinding`)."""
         mode = self.block_answer
         if mode == "refused":
             a = wire.build_answer(q.question, wire.REFUSED, aa=False, ttl=BLOCKED_TTL)
@@ -219,7 +225,7 @@ class Pipeline:
         else:
             a = wire.build_answer(q.question, wire.NXDOMAIN, aa=False, ttl=BLOCKED_TTL)
         blocked = _Blocked(a.wire, a.ttl_offsets, a.ttls, a.ttl, a.rcode, a.stored, aging=False)
-        blocked.source = f"blocked {by}"  # the query log's source, built once per decision
+        blocked.source = source  # the query log's source, built once per decision
         return blocked
 
     def names_changed(self) -> None:
@@ -249,6 +255,7 @@ class Pipeline:
             for url in old.urls:  # no lists any more: stop their downloads
                 url.cancel()
         self.block_answer = bl.answer
+        self.rebinding = bl.rebinding
         self._memo.clear()
 
     def _use_upstreams(self, upstreams: list[Upstream], routes: dict[str, list[Upstream]]) -> None:
@@ -397,6 +404,16 @@ class Pipeline:
             if ans.rcode in (wire.SERVFAIL, wire.REFUSED) and i + 1 < n:
                 continue  # another upstream may do better
             group.preferred = idx
+            if self.rebinding and group is routes.default and _points_inside(ans):
+                # a public name that answers with a private address: DNS rebinding (a page
+                # on the Internet reaching into the LAN); routed names are internal by config
+                _blocked_rebinding.inc()
+                rlog.debug(f"rebinding {up.url}", "dns: %s from %s answered a private address:"
+                           " blocked (dns.blocklist.rebinding)", wire.decode_name(q.name), up.url)
+                blocked = self._block_answer(q, "blocked rebinding")
+                blocked.stored = loop.time()  # cached (BLOCKED_TTL): asked again only then
+                self.cache.put(key, blocked)
+                return blocked, "blocked rebinding"
             self.cache.put(key, ans)
             return ans, (up.url if group is routes.default else f"route {group.name} {up.url}")
         return wire.build_answer(q.question, wire.SERVFAIL, aa=False), "failed"
@@ -447,6 +464,23 @@ class _Blocked(Answer):
 
     __slots__ = ("source",)
     source: str
+
+
+# Where a public name must not point (dns.blocklist.rebinding): RFC 1918, loopback, link-local,
+# CGNAT (RFC 6598), unique local, unspecified (ipaddress's is_private misses 100.64.0.0/10).
+_INSIDE = tuple(ipaddress.ip_network(n) for n in (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+    "192.168.0.0/16", "::/128", "::1/128", "fc00::/7", "fe80::/10"))
+
+
+def _points_inside(ans: Answer) -> bool:
+    for _t, rdata in wire.answer_addresses(ans):
+        ip = ipaddress.ip_address(bytes(rdata))
+        if isinstance(ip, IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if any(ip.version == net.version and ip in net for net in _INSIDE):
+            return True
+    return False
 
 
 def _label_boundary(name: bytes, at: int) -> bool:

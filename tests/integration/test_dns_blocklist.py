@@ -191,6 +191,56 @@ async def test_a_big_changed_list_is_parsed_beside_answering_and_then_blocks(
         await node.stop()
 
 
+@pytest.mark.parametrize("inside", ["192.168.1.5", "10.9.9.9", "127.0.0.1", "169.254.1.1", "100.64.0.7"])
+async def test_rebinding_protection_blocks_public_names_pointing_inside_but_not_routed_ones(
+        tmp_path: Path, inside: str) -> None:
+    """dns.blocklist.rebinding: an upstream answer for a public name that holds a private,
+    loopback, link-local or CGNAT address is answered as blocked (counted, cached); the same
+    answer for a name under a [[dns.route]] (internal by config) passes, as do public addresses."""
+    evil = await TagAuthority(inside).start()
+    public = await TagAuthority("198.51.100.80").start()
+    rebinding = REGISTRY.counter("meshgate_dns_blocked_total", "", ("reason",)).labels("rebinding")
+    node = Node(from_dict({
+        "node": {"name": "alpha", "state_dir": str(tmp_path / "state")},
+        "socks5": {"enable": False}, "admin": {"enable": False},
+        "dns": {"upstreams": [evil.url], "blocklist": {"rebinding": True},
+                "route": [{"suffix": "lan.example.", "upstreams": [evil.url]},
+                          {"suffix": "pub.example.", "upstreams": [public.url]}],
+                "listener": [{"protocol": "udp", "listen": "127.0.0.1:0"}]},
+    }))
+    await node.start()
+    try:
+        _svc, _url, port = udp_port(node)
+        before = rebinding.value
+        assert await ask(port, "attacker.example") == ("NXDOMAIN", [])
+        assert rebinding.value == before + 1
+        assert await ask(port, "attacker.example") == ("NXDOMAIN", [])  # from the cache
+        assert evil.queries["attacker.example."] == 1
+        assert await ask(port, "nas.lan.example") == ("NOERROR", [inside])  # routed: internal
+        assert await ask(port, "www.pub.example") == ("NOERROR", ["198.51.100.80"])
+        assert rebinding.value == before + 1
+    finally:
+        await node.stop()
+        await evil.stop()
+        await public.stop()
+
+
+async def test_without_rebinding_protection_private_answers_pass(tmp_path: Path) -> None:
+    evil = await TagAuthority("192.168.1.5").start()
+    node = Node(from_dict({
+        "node": {"name": "alpha", "state_dir": str(tmp_path / "state")},
+        "socks5": {"enable": False}, "admin": {"enable": False},
+        "dns": {"upstreams": [evil.url], "listener": [{"protocol": "udp", "listen": "127.0.0.1:0"}]},
+    }))
+    await node.start()
+    try:
+        _svc, _url, port = udp_port(node)
+        assert await ask(port, "attacker.example") == ("NOERROR", ["192.168.1.5"])
+    finally:
+        await node.stop()
+        await evil.stop()
+
+
 async def test_a_missing_list_at_start_is_not_a_start_up_failure(tmp_path: Path, auth: TagAuthority) -> None:
     cfg = node_config(tmp_path, auth)
     (tmp_path / "ads.txt").unlink()
