@@ -213,6 +213,20 @@ class SendCipher:
         header = RECORD.pack(len(plaintext) + TAG + RECORD_EXTRA, self.epoch, counter)
         return header, self._aead.encrypt(self.nonce(counter), plaintext, header)
 
+    def seal_batch(self, prefix: bytes, plaintexts: list[bytes], out: list[bytes]) -> None:
+        """One record per plaintext, each appended to `out` as prefix || header || ciphertext
+        (udp:// data packets): seal's work with the per-call lookups once per batch."""
+        aead, nonce, epoch, counter = self._aead, self.nonce, self.epoch, self.counter
+        pack, join, extra, limit = RECORD.pack, b"".join, TAG + RECORD_EXTRA, self.rekey_after
+        for plain in plaintexts:
+            if counter >= limit:
+                self.next_epoch()
+                aead, epoch, counter = self._aead, self.epoch, 0
+            header = pack(len(plain) + extra, epoch, counter)
+            out.append(join((prefix, header, aead.encrypt(nonce(counter), plain, header))))
+            counter += 1
+        self.counter = counter
+
     def next_epoch(self) -> None:
         """REKEY: the next key and epoch, the counter from 0 (after `rekey_after` records)."""
         self.key = rekey_key(self.key, self.suite)

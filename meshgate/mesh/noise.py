@@ -17,6 +17,7 @@ import functools
 import hashlib
 import hmac
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,8 +49,8 @@ class NoiseError(Exception):
     """Handshake or decryption failure; the message never contains key material."""
 
 
-def _nonce(n: int) -> bytes:
-    return b"\x00\x00\x00\x00" + n.to_bytes(8, "little")
+# Noise nonces: 32 zero bits and the 64-bit counter (one struct call: this runs per packet)
+_nonce = struct.Struct("<4xQ").pack  # ChaChaPoly: little-endian
 
 
 def _hmac(key: bytes, data: bytes) -> bytes:
@@ -121,8 +122,7 @@ class CipherState:
         self._aead = ChaCha20Poly1305(self.k)
 
 
-def _nonce_be(n: int) -> bytes:
-    return b"\x00\x00\x00\x00" + n.to_bytes(8, "big")
+_nonce_be = struct.Struct(">4xQ").pack  # AESGCM: big-endian
 
 
 # ---------------------------------------------------------------------- transport AEADs

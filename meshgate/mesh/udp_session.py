@@ -839,7 +839,6 @@ class UdpSession:
             return out
         ack = self._ack_chunk()
         prefix = DATA.pack(KIND_DATA, self.peer_id)
-        seal = send.seal
         join = b"".join
         dgrams = self._dgrams
         unacked = self._unacked
@@ -864,6 +863,7 @@ class UdpSession:
             pack_seg = SEG.pack
             if self._rto_at is None:
                 self._rto_at = now + self.rto * (2 ** self._backoff)
+            plains: list[bytes] = []  # sealed together after the loop (send.seal_batch)
             while tx:
                 n = len(tx)
                 if n > seg_room:
@@ -877,10 +877,10 @@ class UdpSession:
                 snd_nxt += 1
                 inflight += n
                 if dgrams:
-                    out.append(self._packet(prefix, parts))
+                    out.append(self._packet(prefix, parts))  # (only before the full-segment packets)
                 else:
-                    header, ct = seal(join(parts))
-                    out.append(join((prefix, header, ct)))
+                    plains.append(join(parts))
+            send.seal_batch(prefix, plains, out)
             self._inflight = inflight
             self.snd_nxt = snd_nxt
             if not unacked:
@@ -896,11 +896,12 @@ class UdpSession:
                     fid, frame, off = d
                     total = len(frame)
                     start = off
+                    pieces: list[bytes] = []
                     while total - off > room:
-                        header, ct = seal(join((ack, pack_frag(CH_DFRAG, fid, total, off, room),
-                                                frame[off : off + room])))
-                        out.append(join((prefix, header, ct)))
+                        piece = frame[off : off + room]
+                        pieces.append(join((ack, pack_frag(CH_DFRAG, fid, total, off, room), piece)))
                         off += room
+                    send.seal_batch(prefix, pieces, out)
                     d[2] = off
                     self._dgram_bytes -= off - start
                 out.append(self._packet(prefix, [ack]))
