@@ -473,4 +473,19 @@ class Node:
             out["traversal"] = self.mesh.traversal_text()
             if self.mesh.traversal is not None:
                 out["traversal_counters"] = self.mesh.traversal.status()["counters"]
+            if self.resolver is not None:
+                text = self._dns_mesh_text()
+                if text:
+                    out["dns_mesh"] = text
         return out
+
+    def _dns_mesh_text(self) -> str:
+        """Split DNS through the mesh in one line: what this node serves, and where names under
+        other nodes' suffixes go (nearest first), e.g. `serves lan.example.; corp.example. -> c`."""
+        dns = self.config.dns
+        _, servers = self._mesh().dns_servers()
+        parts = [f"serves {s}" for s in dns.serve_suffixes]
+        for suffix, nodes in sorted(servers.items()):
+            names = ",".join(name or f"{nid:08x}" for nid, name in nodes)
+            parts.append(f"{suffix} -> {names}" + ("" if dns.mesh_routes else " (off: dns.mesh_routes)"))
+        return "; ".join(parts)

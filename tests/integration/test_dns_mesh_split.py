@@ -77,6 +77,9 @@ async def test_a_name_under_a_suffix_c_serves_is_answered_by_cs_resolver_over_th
     assert auths["corp"].queries["printer.lan.example."] == 1
     assert auths["main"].queries["printer.lan.example."] == 0
     assert a.mesh.table.hop_paths[c.mesh.node_id].hops == 2  # relayed: sealed end to end
+    # `meshgate status` says where the names go, and what c serves
+    assert a.status()["dns_mesh"] == "lan.example. -> c"
+    assert c.status()["dns_mesh"] == "serves lan.example."
     # every other name still goes to a's own upstreams
     assert await _udp(port, "www.other.test") == MAIN
     assert auths["corp"].queries["www.other.test."] == 0
