@@ -98,6 +98,9 @@ _dropped = REGISTRY.counter(
 _roamed = REGISTRY.counter(
     "meshgate_mesh_udp_link_roamed_total", "udp:// sessions whose peer moved to a new address"
 )
+_aead = REGISTRY.counter(
+    "meshgate_mesh_udp_link_sessions_total", "udp:// sessions established, by negotiated AEAD", ("aead",)
+)
 _fragmented = REGISTRY.counter(
     "meshgate_mesh_udp_link_fragmented_total",
     "Datagrams too big for one packet: sent in pieces (out), put together again (in)", ("direction",),
@@ -415,6 +418,7 @@ class UdpLink(LinkBase):
         assert self.session.send is not None
         s = self.session
         self.remote_static, self.handshake_hash = s.remote_static, s.handshake_hash
+        _aead.labels(s.suite.name).inc()
         # the HELLO is the first frame on the reliable channel, as on a byte-pipe link
         s.send_frame(HELLO, 0, 1, 0, 0, self.owner.hello_body(s.handshake_hash, self.initiator))
         if self.on_up is not None:

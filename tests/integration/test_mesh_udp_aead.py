@@ -14,6 +14,7 @@ import pytest
 from meshgate.mesh.link_udp import UdpLink
 from meshgate.mesh.noise import AES_256_GCM, CHACHA20_POLY1305
 from meshgate.mesh.service import MeshService
+from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
 from tests.mesh_testing import converged, node_config, sha_server, start_node, stop_all, stream_sha
 
@@ -26,6 +27,8 @@ def _suites(node: MeshService) -> dict[int, str]:
 
 @pytest.mark.parametrize("c_aes", ["no", "yes"])
 async def test_line_negotiates_per_link_and_carries_a_stream(c_aes: str) -> None:
+    before = {name: REGISTRY.value("meshgate_mesh_udp_link_sessions_total", name)
+              for name in (AES_256_GCM.name, CHACHA20_POLY1305.name)}
     b = await start_node(node_config("b", "10.9.4.2/24", listen=["udp://127.0.0.1:0"],
                                      limits={"aes_instructions": "yes"}))
     url = b.listen_addrs[0]
@@ -39,6 +42,11 @@ async def test_line_negotiates_per_link_and_carries_a_stream(c_aes: str) -> None
         assert _suites(a) == {b.node_id: AES_256_GCM.name}
         assert _suites(b) == {a.node_id: AES_256_GCM.name, c.node_id: c_suite.name}
         assert _suites(c) == {b.node_id: c_suite.name}
+        # both ends of each link count its session by suite (what an operator sees in /metrics)
+        counted = {name: REGISTRY.value("meshgate_mesh_udp_link_sessions_total", name) - was
+                   for name, was in before.items()}
+        assert counted == ({AES_256_GCM.name: 4, CHACHA20_POLY1305.name: 0} if c_aes == "yes"
+                           else {AES_256_GCM.name: 2, CHACHA20_POLY1305.name: 2})
         data = os.urandom(8 << 20)
         assert await stream_sha(a, c.node_id, port, data) == hashlib.sha256(data).digest()
         assert await stream_sha(c, a.node_id, port, data[:1 << 20]) == hashlib.sha256(data[:1 << 20]).digest()
