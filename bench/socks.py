@@ -13,6 +13,12 @@ order (bench/common.py): one Python client, speaking SOCKS5 or HTTP CONNECT
   closes first (dante runs out of local ports otherwise, see
   bench/peers/README.md).
 
+`meshgate workers` is another meshgate, a single node with `socks5.workers =
+--workers` (default 2: the node's process and one worker on SO_REUSEPORT; CPU
+and RSS summed over the process tree, as for dante's processes). microsocks
+(a thread per client) and dante (processes) use both cores too; pproxy and
+plain `meshgate` are one process. `--pin` puts them all on one CPU instead.
+
 `meshgate http` is the same meshgate process as `meshgate`, through its
 `[http_proxy]` listener. `meshgate +reloads` is that process again, over
 SOCKS5, while another thread makes it reload its config every
@@ -77,6 +83,7 @@ GIB = 1 << 30
 HTTP_PORT: dict[int, int] = {}
 ADMIN_PORT: dict[int, int] = {}
 PIN: list[str] = []  # ["taskset", "-c", CPU] with --pin
+WORKERS = [2]  # socks5.workers of the "meshgate workers" row (--workers)
 
 
 def start_meshgate(port: int, workdir: str) -> Peer:
@@ -103,6 +110,20 @@ def start_meshgate_ref(ref: str) -> Callable[[int, str], Peer]:
         return Peer(f"meshgate@{ref}", argv, port=port, cwd=str(tree)).start()
 
     return start
+
+
+def start_meshgate_workers(port: int, workdir: str) -> Peer:
+    """meshgate with `socks5.workers = WORKERS` (the node's process and WORKERS-1 workers sharing
+    the port with SO_REUSEPORT); a single node, so every connection leaves from this host and
+    the worker that accepted it relays it. CPU and RSS are the whole process tree's."""
+    conf = Path(workdir, f"meshgate-w{WORKERS[0]}.toml")
+    conf.write_text(
+        f'log_level = "warning"\n[node]\nstate_dir = "{Path(workdir, "state-workers")}"\n'
+        f'[socks5]\nlisten = "127.0.0.1:{port}"\nmax_clients = 4096\n'
+        f"workers = {WORKERS[0]}\n[admin]\nenable = false\n"
+    )
+    argv = [*PIN, sys.executable, "-m", "meshgate", "run", "-c", str(conf), "--loop", "uvloop"]
+    return Peer("meshgate workers", argv, port=port, cwd=str(ROOT)).start()
 
 
 def start_microsocks(port: int, workdir: str) -> Peer:
@@ -164,6 +185,7 @@ def start_tinyproxy(port: int, workdir: str) -> Peer:
 
 STARTERS: dict[str, Callable[[int, str], Peer]] = {
     "meshgate": start_meshgate,
+    "meshgate workers": start_meshgate_workers,
     "microsocks": start_microsocks,
     "dante": start_dante,
     "pproxy+uvloop": start_pproxy,
@@ -188,7 +210,9 @@ def main() -> int:
     p.add_argument("--reload-every", type=float, default=0.1,
                    help="seconds between reloads in meshgate +reloads")
     p.add_argument("--reloads", type=int, default=30, help="reloads of the idle node timed before the rounds")
+    p.add_argument("--workers", type=int, default=2, help="socks5.workers of the 'meshgate workers' row")
     args = p.parse_args()
+    WORKERS[0] = args.workers
     if args.pin is not None:
         PIN[:] = ["taskset", "-c", str(args.pin)]
 

@@ -161,6 +161,9 @@ class Socks5Config:
     users: tuple[User, ...] = ()
     udp: bool = True
     max_clients: int = 1024
+    # processes accepting SOCKS5 connections (SO_REUSEPORT): workers relay what leaves from this
+    # host and hand what needs the mesh to the node's process; "auto" = CPU count
+    workers: int = 1
 
 
 @dataclass(frozen=True)
@@ -214,9 +217,6 @@ class DnsBlocklistConfig:
     # http(s) URLs in lists/allow: one download's deadline and size bound (more: a failure)
     fetch_timeout: float = 30.0
     max_bytes: int = 64 << 20
-    # DNS-rebinding protection: an upstream answer for a name outside every [[dns.route]] and
-    # served suffix that holds a private, loopback or link-local address is answered as blocked
-    rebinding: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -778,8 +778,7 @@ def _read_blocklist(r: _Reader, d: Mapping[str, Any], base: DnsBlocklistConfig) 
     if not isinstance(b, dict):
         r.problem("dns.blocklist", "expected a table [dns.blocklist]")
         return base
-    r.table(b, "dns.blocklist.", ["lists", "allow", "answer", "refresh", "fetch_timeout", "max_bytes",
-                                  "rebinding"])
+    r.table(b, "dns.blocklist.", ["lists", "allow", "answer", "refresh", "fetch_timeout", "max_bytes"])
     cfg = DnsBlocklistConfig(
         lists=r.items(b, "dns.blocklist.", "lists", _list_path) or (),
         allow=r.items(b, "dns.blocklist.", "allow", _list_path) or (),
@@ -787,7 +786,6 @@ def _read_blocklist(r: _Reader, d: Mapping[str, Any], base: DnsBlocklistConfig) 
         refresh=r.value(b, "dns.blocklist.", "refresh", _positive_float, base.refresh),
         fetch_timeout=r.value(b, "dns.blocklist.", "fetch_timeout", _positive_float, base.fetch_timeout),
         max_bytes=r.value(b, "dns.blocklist.", "max_bytes", _positive_int, base.max_bytes),
-        rebinding=r.value(b, "dns.blocklist.", "rebinding", _parse_bool, base.rebinding),
     )
     if cfg.allow and not cfg.lists:
         r.problem("dns.blocklist.lists", "required with dns.blocklist.allow: the lists the allow files"
@@ -958,7 +956,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
     )
 
     s = _section(r, raw, "socks5")
-    r.table(s, "socks5.", ["enable", "listen", "users", "udp", "max_clients"])
+    r.table(s, "socks5.", ["enable", "listen", "users", "udp", "max_clients", "workers"])
     users = r.items(s, "socks5.", "users", _read_users)
     socks5 = Socks5Config(
         enable=r.value(s, "socks5.", "enable", _parse_bool, base.socks5.enable),
@@ -966,6 +964,7 @@ def from_dict(raw: Mapping[str, Any], base: Config | None = None) -> Config:
         users=users if users is not None else base.socks5.users,
         udp=r.value(s, "socks5.", "udp", _parse_bool, base.socks5.udp),
         max_clients=r.value(s, "socks5.", "max_clients", _positive_int, base.socks5.max_clients),
+        workers=r.value(s, "socks5.", "workers", _dns_workers, base.socks5.workers),
     )
 
     hp = _section(r, raw, "http_proxy")

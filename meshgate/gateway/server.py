@@ -12,6 +12,12 @@ and the pair closes once both directions have ended.
 The upstream is reached only through the asyncio Transport/Protocol
 interface, so a mesh stream that behaves like a transport drops in through
 the dialer.
+
+With `socks5.workers` > 1 (gateway/workers.py) the same server runs in worker
+processes too: there a connection whose destination does not leave from this
+host (the dialer raises `HandOver`), and every UDP ASSOCIATE, is handed with
+its request to the node's process (`hand_over`), which resumes it where the
+worker stopped (`Socks5Server.adopt`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from meshgate.buffers import BufferPool
@@ -61,6 +68,11 @@ _READ_BUFFER_RENEWED = REGISTRY.counter(
     "meshgate_socks5_read_buffer_renewed_total",
     "Relay reads whose write did not drain at once, so the read buffer was handed over and replaced",
 )
+HANDED_OVER = REGISTRY.counter(
+    "meshgate_socks5_handed_over_total",
+    "SOCKS5 connections a worker process (socks5.workers) passed to the node's process, by outcome",
+    ("result",),
+)
 _BYTES_IN = BYTES.labels("in")
 _BYTES_OUT = BYTES.labels("out")
 _HANDSHAKE_TIMEOUTS = TIMEOUTS.labels("handshake")
@@ -99,6 +111,15 @@ class ReadBuffer:
         _READ_BUFFER_RENEWED.inc()
 
 
+class HandOver(Exception):
+    """A worker's dialer: this destination is the node's process's to dial (it needs the
+    mesh, or this node's own egress), so the connection moves there."""
+
+
+# (client, request) -> handed over? A worker process sets it on its server.
+HandOverFn = Callable[["ClientProtocol", socks5.Request], bool]
+
+
 def peer_text(peer: Any) -> str:
     if not peer:
         return "?"
@@ -122,6 +143,7 @@ class Socks5Server:
         self.set_limits(config.limits)
         self.server: asyncio.Server | None = None
         self.read_buffer = ReadBuffer()
+        self.hand_over: HandOverFn | None = None  # set in a worker process
 
     def set_users(self, users: tuple[User, ...]) -> None:
         """The RFC 1929 users (also a reload's): connections accepted from now on check these;
@@ -138,13 +160,21 @@ class Socks5Server:
             self.max_clients // 4, min(self.max_clients, 32)
         )
 
-    async def start(self, host: str, port: int) -> asyncio.Server:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(self.make_client, host, port, backlog=1024)
+        self.server = await loop.create_server(self.make_client, host, port, backlog=1024,
+                                               reuse_port=reuse_port or None)
         return self.server
 
     def make_client(self) -> ClientProtocol:
         return ClientProtocol(self)
+
+    async def adopt(self, sock: Any, request: socks5.Request, trailing: bytes) -> None:
+        """A connection a worker handed over after its handshake: go on from its request (the
+        reply and everything after it come from this process)."""
+        client = ClientProtocol(self)
+        client.resume = (request, trailing)
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: client, sock)
 
     @property
     def sockname(self) -> tuple[str, int]:
@@ -203,6 +233,8 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self._connect_task: asyncio.Task[None] | None = None
         self._bytes_in = LocalCounter(self.m_bytes_in, _BYTES_FLUSH)
         self._bytes_out = LocalCounter(self.m_bytes_out, _BYTES_FLUSH)
+        # handed over by a worker: the request it read and the bytes the client sent behind it
+        self.resume: tuple[socks5.Request, bytes] | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -233,10 +265,16 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self._source = source
         srv.clients.add(self)
         self._counted = True
-        self.m_accepted.inc()
+        if self.resume is None:  # a handed-over connection was counted by its worker
+            self.m_accepted.inc()
         self.m_clients.inc()
         transport.set_write_buffer_limits(high=srv.limits.socks5_write_high_water)
         self._timer = self.loop.call_later(srv.limits.socks5_handshake_timeout, self._handshake_expired)
+        if self.resume is not None:
+            request, trailing = self.resume
+            self.resume = None
+            self.core.resume(trailing)
+            self._request(request)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state = _CLOSED
@@ -389,6 +427,9 @@ class ClientProtocol(asyncio.BufferedProtocol):
         assert self.transport is not None
         self.state = _CONNECTING
         self.transport.pause_reading()  # bytes behind the request wait in the kernel
+        if request.command == socks5.CMD_UDP_ASSOCIATE and self.server.hand_over is not None:
+            self._hand_over(request)  # a worker: the node's process holds the UDP paths
+            return
         if request.command == socks5.CMD_CONNECT:
             self._connect_task = self.loop.create_task(self._connect(request))
         else:
@@ -399,6 +440,10 @@ class ClientProtocol(asyncio.BufferedProtocol):
 
         try:
             transport, _, bound = await self.server.dialer.connect(host, port, lambda: UpstreamProtocol(self))
+        except HandOver:
+            if self.state == _CONNECTING:
+                self._hand_over(request)
+            return
         except DialError as e:
             rlog.debug(f"dial:{e.reply}", "socks5: %s for %s", e, peer_text(self.peer))
             if self.state == _CONNECTING:
@@ -417,6 +462,20 @@ class ClientProtocol(asyncio.BufferedProtocol):
         CONNECTS.labels("connect", "succeeded").inc()
         self.begin_relay(transport, socks5.build_reply(socks5.REP_SUCCEEDED, bound[0], bound[1]),
                          self.core.trailing_data())
+
+    def _hand_over(self, request: socks5.Request) -> None:
+        """A worker passes this connection on (its socket, request and unread bytes) and forgets
+        it; if that fails the client gets a general failure, as for any dial error."""
+        hand_over = self.server.hand_over
+        assert hand_over is not None
+        if not hand_over(self, request):
+            HANDED_OVER.labels("failed").inc()
+            self._reply_and_close(request, socks5.REP_GENERAL_FAILURE)
+            return
+        HANDED_OVER.labels("ok").inc()
+        self.state = _CLOSED
+        if self.transport is not None:
+            self.transport.abort()  # closes this process's descriptor only: the socket lives on there
 
     def begin_relay(self, transport: asyncio.Transport, reply: bytes, early: bytes) -> None:
         """The destination is connected: send `reply` to the client, `early` (what the client

@@ -4,7 +4,7 @@ the HTTP proxy ("http_proxy") in http_proxy.py; `PortalService` is what both sha
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshgate.buffers import BufferPool
 from meshgate.config import Config, HostPort, LimitsConfig, User
@@ -12,6 +12,9 @@ from meshgate.egress.dialer import Dialer
 from meshgate.errors import bind_error
 from meshgate.gateway.server import Socks5Server
 from meshgate.gateway.socks5 import MAX_UDP_HEADER
+
+if TYPE_CHECKING:
+    from meshgate.gateway.workers import SocksWorkerPool
 
 # A pooled buffer holds the largest UDP payload behind room for the largest
 # SOCKS UDP header, so replies get their header prepended in place.
@@ -29,6 +32,7 @@ class PortalService:
         self.config = config
         self.dialer = dialer
         self.server: Socks5Server | None = None
+        self.workers: SocksWorkerPool | None = None  # socks5.workers > 1 (the SOCKS5 portal only)
 
     def listen_address(self) -> HostPort:
         raise NotImplementedError
@@ -36,28 +40,49 @@ class PortalService:
     def make_server(self) -> Socks5Server:
         raise NotImplementedError
 
+    def worker_count(self) -> int:
+        return 1
+
     async def start(self) -> None:
         addr = self.listen_address()
         self.server = self.make_server()
+        count = self.worker_count()
         try:
-            await self.server.start(addr.host, addr.port)
+            await self.server.start(addr.host, addr.port, reuse_port=count > 1)
         except OSError as e:
             self.server = None
             raise bind_error(self.listen_key, addr, e) from None
+        if count > 1:
+            from meshgate.gateway.workers import SocksWorkerPool
+
+            port = self.server.sockname[1]  # a listen port of 0: the workers bind the one chosen
+            self.workers = SocksWorkerPool(self.config, count, self.dialer, self.server, port)
+            try:
+                await self.workers.start()
+            except BaseException:
+                await self.stop()
+                raise
 
     def set_users(self, users: tuple[User, ...]) -> None:
         """Reloaded `socks5.users` for new connections (status reports them too)."""
         self.config = replace(self.config, socks5=replace(self.config.socks5, users=users))
         if self.server is not None:
             self.server.set_users(users)
+        if self.workers is not None:
+            self.workers.push(users, self.config.limits)
 
     def set_limits(self, limits: LimitsConfig) -> None:
         """Reloaded `[limits]` (the portal's live ones, node.py's PORTAL_LIMITS)."""
         self.config = replace(self.config, limits=limits)
         if self.server is not None:
             self.server.set_limits(limits)
+        if self.workers is not None:
+            self.workers.push(self.config.socks5.users, limits)
 
     async def stop(self) -> None:
+        if self.workers is not None:
+            await self.workers.stop()
+            self.workers = None
         if self.server is not None:
             await self.server.close()
             self.server = None
@@ -86,6 +111,9 @@ class Socks5Service(PortalService):
     def listen_address(self) -> HostPort:
         return self.config.socks5.listen
 
+    def worker_count(self) -> int:
+        return self.config.socks5.workers
+
     def make_server(self) -> Socks5Server:
         return Socks5Server(self.config, self.dialer, self.pool)
 
@@ -99,6 +127,8 @@ class Socks5Service(PortalService):
             "auth": "username/password" if cfg.users else "none",
             "udp": cfg.udp,
         }
+        if self.workers is not None:
+            out["workers"] = self.workers.status()
         if addr is not None:
             user = f" (user {cfg.users[0].name!r} and its password)" if cfg.users else ""
             out["notes"] = [

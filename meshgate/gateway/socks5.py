@@ -155,6 +155,12 @@ class ServerConnection:
         self._out.clear()
         return out
 
+    def resume(self, trailing: bytes) -> None:
+        """Continue a handshake another process completed (a SOCKS worker's hand-over): the
+        request is in, `trailing` is what the client sent behind it."""
+        self._state = _DONE
+        self._buf = bytearray(trailing)
+
     def trailing_data(self) -> bytes:
         out = bytes(self._buf)
         self._buf.clear()
