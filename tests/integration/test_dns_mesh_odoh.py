@@ -140,3 +140,28 @@ def test_odoh_mesh_urls_are_checked() -> None:
         parse_upstream("odoh-mesh://c?proxy=b")
     with pytest.raises(ConfigError):
         from_dict({"dns": {"mesh_odoh_proxy": "yes"}})
+
+
+async def test_garbage_on_the_odoh_channel_is_answered_or_counted_never_a_crash(
+        line: dict[str, Node], auths: dict[str, TagAuthority]) -> None:
+    from meshgate.dns.mesh_odoh import ERROR, TARGET_ERROR, UNDECRYPTABLE
+    from meshgate.metrics import REGISTRY
+
+    a, b, c = line["a"], line["b"], line["c"]
+    assert a.mesh is not None and b.mesh is not None and c.mesh is not None and a.resolver is not None
+    dropped = REGISTRY.counter("meshgate_dns_mesh_odoh_dropped_total", "", ("reason",))
+    short, unknown = dropped.labels("malformed").value, dropped.labels("unknown_type").value
+    at_a = _tap(a)
+    send = a.mesh.send_datagram
+    assert send(c.mesh.node_id, ODOH, b"\x04")  # shorter than a header
+    assert send(c.mesh.node_id, ODOH, HEAD.pack(99, 1))  # no such type
+    assert send(b.mesh.node_id, ODOH, HEAD.pack(PROXY_QUERY, 2) + b"\x01")  # no target id
+    assert send(c.mesh.node_id, ODOH, HEAD.pack(TARGET_QUERY, 3) + b"\x00" * 80)  # not sealed to c
+    await async_wait_until(lambda: dropped.labels("malformed").value >= short + 2
+                           and dropped.labels("unknown_type").value >= unknown + 1, 5, "counted")
+    # the target answers what it cannot open with an error, as it would to a proxy
+    await async_wait_until(lambda: any(HEAD.unpack_from(p) == (TARGET_ERROR, 3) for _, p in at_a), 5,
+                           "c's error")
+    reply = next(p for _, p in at_a if HEAD.unpack_from(p) == (TARGET_ERROR, 3))
+    assert reply[HEAD.size] == UNDECRYPTABLE and ERROR != TARGET_ERROR
+    assert address(await ask(a.resolver, "still-fine.corp.example")) == CORP

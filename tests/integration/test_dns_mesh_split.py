@@ -259,3 +259,26 @@ async def test_certificate_mode_serves_a_granted_suffix_and_refuses_to_start_wit
     finally:
         await a.stop()
         await c.stop()
+
+
+async def test_garbage_on_the_mesh_dns_channels_is_counted_and_dropped(
+        line: dict[str, Node], auths: dict[str, TagAuthority]) -> None:
+    """A member sends c short, truncated and non-DNS questions and a stray answer: each is
+    dropped and counted (no reply, no crash), and c goes on answering."""
+    from meshgate.mesh.channels import DNS_QUERY
+
+    a, b, c = line["a"], line["b"], line["c"]
+    assert b.mesh is not None and c.mesh is not None and a.mesh is not None and a.resolver is not None
+    short, stray = _dropped("malformed"), _dropped("stray")
+    before_q = REGISTRY.counter("meshgate_dns_dropped_total", "", ("listener", "reason")).labels(
+        "mesh", "malformed").value
+    for junk in (b"", b"\x00\x00\x00\x01", b"\x00\x00\x00\x01" + b"\xff" * 40):
+        assert b.mesh.send_datagram(c.mesh.node_id, DNS_QUERY, junk)
+    # an answer to a question nobody asked
+    assert b.mesh.send_datagram(a.mesh.node_id, DNS_ANSWER, b"\x00\x00\x99\x99" + bytes(12))
+    await async_wait_until(lambda: _dropped("malformed") >= short + 2 and _dropped("stray") >= stray + 1,
+                           5, "the garbage counted")
+    await async_wait_until(
+        lambda: REGISTRY.counter("meshgate_dns_dropped_total", "", ("listener", "reason")).labels(
+            "mesh", "malformed").value >= before_q + 1, 5, "the non-DNS question counted")
+    assert address(await ask(a.resolver, "after-garbage.lan.example")) == CORP
