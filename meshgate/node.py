@@ -44,7 +44,7 @@ from meshgate.reload import DNS_BLOCKLIST, DNS_UPSTREAMS, LIVE, MESH_EXITS, MESH
 from meshgate.statedir import StateDirLock
 
 if TYPE_CHECKING:
-    from meshgate.dns.mesh_dns import MeshDnsClient, MeshDnsServer
+    from meshgate.dns.mesh_dns import MeshDnsClient, MeshDnsRoutes, MeshDnsServer
     from meshgate.dns.mesh_odoh import MeshOdoh
     from meshgate.dns.resolver import Pipeline
     from meshgate.dns.service import DnsService
@@ -125,6 +125,7 @@ class Node:
         self.udp_hub: UdpHub | None = None
         self.mesh_dns_client: MeshDnsClient | None = None  # split DNS through the mesh, both ways
         self.mesh_dns_server: MeshDnsServer | None = None
+        self.mesh_dns_routes: MeshDnsRoutes | None = None
         self.mesh_odoh: MeshOdoh | None = None  # ODoH through the mesh: asker, proxy, target
         self._stopped = asyncio.Event()
 
@@ -146,8 +147,8 @@ class Node:
                 # names under suffixes other nodes serve are asked there, over the mesh
                 self.mesh_dns_client = MeshDnsClient(self._mesh_send, DNS_QUERY,
                                                      limits.dns_upstream_max_queries)
-                mesh_dns = MeshDnsRoutes(self.mesh_dns_client, lambda: self._mesh().dns_servers(),
-                                         dns.serve_suffixes)
+                mesh_dns = self.mesh_dns_routes = MeshDnsRoutes(
+                    self.mesh_dns_client, lambda: self._mesh().dns_servers(), dns.serve_suffixes)
             if mesh_on:
                 from meshgate.dns.mesh_odoh import MeshOdoh
 
@@ -250,8 +251,7 @@ class Node:
             self.mesh_odoh.start()  # the target's key rotation
         if self.mesh_dns_client is not None:
             mesh.on_datagram(DNS_ANSWER, self.mesh_dns_client.on_answer)
-        suffixes = self.config.dns.serve_suffixes
-        if suffixes and self.resolver is not None:
+        if self.resolver is not None:  # also with no suffixes: a reload may add some
             from meshgate.dns.mesh_dns import MeshDnsServer
             from meshgate.mesh.e2e import SEAL_OVERHEAD
             from meshgate.mesh.frames import MAX_BODY
@@ -260,8 +260,9 @@ class Node:
             def admit(nid: int) -> bool:
                 return rules.acl.decide(source_in(mesh, nid, time.time()), None, 53, "udp").allowed
 
-            self.mesh_dns_server = MeshDnsServer(self.resolver, self._mesh_send, DNS_ANSWER, suffixes,
-                                                 admit, MAX_BODY - SEAL_OVERHEAD - CHANNEL.size)
+            self.mesh_dns_server = MeshDnsServer(self.resolver, self._mesh_send, DNS_ANSWER,
+                                                 self.config.dns.serve_suffixes, admit,
+                                                 MAX_BODY - SEAL_OVERHEAD - CHANNEL.size)
             mesh.on_datagram(DNS_QUERY, self.mesh_dns_server.on_query)
 
     def _mesh_odoh_send(self, node_id: int, payload: bytes) -> bool:
@@ -378,6 +379,8 @@ class Node:
 
             if new is not None and upstream_spans(new) > upstream_spans(self.config):
                 live -= DNS_UPSTREAMS
+        if self.mesh is None or self.resolver is None:  # no mesh DNS to change: a restart builds it
+            live.discard("dns.serve_suffixes")
         if self.mesh is None:  # no mesh running to keep them: a restart builds one
             live -= {"mesh.peers", *MESH_OFFERS, *MESH_EXITS}
         elif self.config.tun.enable:
@@ -409,11 +412,13 @@ class Node:
     def _check(self, new: Config, changed: frozenset[str]) -> tuple[str, ...]:
         """What refuses a live change before anything is applied: offers the node's certificate
         does not grant (certificate mode), as check-config would name them."""
-        if changed & MESH_OFFERS and self.mesh is not None:
-            try:
+        try:
+            if changed & MESH_OFFERS and self.mesh is not None:
                 self.mesh.check_offers(new.mesh)
-            except StartupError as e:
-                return (f"{self.config_path or '-'}:{e}",)
+            if "dns.serve_suffixes" in changed and self.mesh is not None:
+                self.mesh.check_dns_suffixes(new.dns.serve_suffixes)
+        except StartupError as e:
+            return (f"{self.config_path or '-'}:{e}",)
         return ()
 
     def _apply(self, new: Config, changed: frozenset[str]) -> None:
@@ -449,6 +454,13 @@ class Node:
             self.mesh.set_offers(new.mesh)
         if changed & MESH_EXITS and self.mesh_dialer is not None:
             self.mesh_dialer.set_exits(new.mesh)
+        if "dns.serve_suffixes" in changed and self.mesh is not None:
+            suffixes = new.dns.serve_suffixes
+            if self.mesh_dns_server is not None:  # answers them before the record says so
+                self.mesh_dns_server.set_suffixes(suffixes)
+            if self.mesh_dns_routes is not None:  # answered here, not sent to another server
+                self.mesh_dns_routes.own = suffixes
+            self.mesh.set_dns_suffixes(suffixes)  # re-originated: every node routes by it
         self.config = new  # the PAC file, /config and SOCKS UDP's fallback read it
 
     def _mesh(self) -> MeshService:

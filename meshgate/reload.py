@@ -44,6 +44,7 @@ LIVE: frozenset[str] = frozenset({
     "acl",
     "dns.upstreams",
     "dns.routes",
+    "dns.serve_suffixes",
     *DNS_BLOCKLIST,
     *PORTAL_LIMITS,
 })

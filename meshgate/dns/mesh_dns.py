@@ -177,12 +177,16 @@ class MeshDnsServer:
                  admit: Callable[[int], bool], room: int) -> None:
         self.send = send
         self.channel = channel
-        self.suffixes = tuple(wire.encode_name(s) for s in suffixes)
+        self.set_suffixes(suffixes)
         self.admit = admit
         self.stats = ListenerStats("mesh")
         # answers as big as a mesh datagram carries (TC beyond); resolved without mesh routes
         self.frontend = Frontend(pipeline, self.stats, limit=min(room - RID.size, wire.MAX_MESSAGE),
                                  mesh_routes=False)
+
+    def set_suffixes(self, suffixes: tuple[str, ...]) -> None:
+        """dns.serve_suffixes (at start, and a reload's)."""
+        self.suffixes = tuple(wire.encode_name(s) for s in suffixes)
 
     def _served(self, name: bytes) -> bool:
         starts = wire.label_starts(name)

@@ -405,6 +405,20 @@ class MeshService:
         the node's certificate (certificate mode): the node refuses that reload whole."""
         check_own_claims(self.trust, self.config.node, cidr_claims(mesh), mesh.exit_node)
 
+    def check_dns_suffixes(self, suffixes: tuple[str, ...]) -> None:
+        """StartupError naming the dns.serve_suffixes of a reload the node's certificate does not
+        grant (certificate mode)."""
+        check_own_claims(self.trust, self.config.node, (), False, suffixes)
+
+    def set_dns_suffixes(self, suffixes: tuple[str, ...]) -> None:
+        """A reload's dns.serve_suffixes: the own record is re-originated and flooded, as for
+        set_offers."""
+        if self.table.update_local(dns=suffixes):
+            self._last_originated = self.loop.time()
+        self.table.dirty = True
+        self._build(self.loop.time())
+        self._schedule_sync()
+
     def set_offers(self, mesh: MeshConfig) -> None:
         """A reload's `mesh.proxy_cidrs`, `mesh.exit_node` and `mesh.exit_nodes`: the own record is
         re-originated (a new signed version, flooded like any other), so every node routes by it

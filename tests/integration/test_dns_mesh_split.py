@@ -256,6 +256,10 @@ async def test_certificate_mode_serves_a_granted_suffix_and_refuses_to_start_wit
         cid = c.mesh.node_id
         await async_wait_until(lambda: cid in a.mesh.table.hop_paths, 15, "a route to c")
         assert address(await ask(a.resolver, "printer.lan.example")) == CORP
+        # a reload may not claim what the certificate does not grant (Node._check refuses it)
+        with pytest.raises(StartupError, match="dns.serve_suffixes other.example."):
+            c.mesh.check_dns_suffixes(("lan.example.", "other.example."))
+        c.mesh.check_dns_suffixes(("a.lan.example.",))
     finally:
         await a.stop()
         await c.stop()
@@ -282,3 +286,44 @@ async def test_garbage_on_the_mesh_dns_channels_is_counted_and_dropped(
         lambda: REGISTRY.counter("meshgate_dns_dropped_total", "", ("listener", "reason")).labels(
             "mesh", "malformed").value >= before_q + 1, 5, "the non-DNS question counted")
     assert address(await ask(a.resolver, "after-garbage.lan.example")) == CORP
+
+
+async def test_a_reload_changes_the_served_suffixes_and_every_node_follows(
+        tmp_path: Path, auths: dict[str, TagAuthority]) -> None:
+    from tests.integration.test_portal_mesh import SECRET
+
+    path = tmp_path / "c.toml"
+
+    def write(suffixes: list[str]) -> None:
+        listed = ", ".join(f'"{s}"' for s in suffixes)
+        path.write_text(
+            f'[node]\nname = "c"\nnetwork = "pm"\nsecret = "{SECRET}"\nipv4 = "10.144.7.3/24"\n'
+            f'state_dir = "{tmp_path / "c"}"\n[admin]\nenable = false\n[socks5]\nenable = false\n'
+            '[mesh]\nlisten = ["tcp://127.0.0.1:0"]\n'
+            f'[dns]\nupstreams = ["{auths["corp"].url}"]\nserve_suffixes = [{listed}]\n')
+
+    from meshgate.config import load
+
+    write(["lan.example."])
+    c = Node(load(str(path)), config_path=str(path))
+    await c.start()
+    assert c.mesh is not None
+    a = await start(cfg("a", "10.144.7.1/24", node={"state_dir": str(tmp_path / "a")},
+                        mesh={"peers": [c.mesh.listen_addrs[0]]},
+                        dns={"upstreams": [auths["main"].url]}, limits={"dns_timeout": 1.5}))
+    try:
+        assert a.mesh is not None and a.resolver is not None
+        await async_wait_until(lambda: "lan.example." in a.mesh.dns_servers()[1], 15, "c's suffix at a")
+        assert address(await ask(a.resolver, "one.new.example")) == MAIN
+        write(["lan.example.", "new.example."])
+        res = c.reload()
+        assert res.applied and res.changed == ("dns.serve_suffixes",), res.message
+        await async_wait_until(lambda: "new.example." in a.mesh.dns_servers()[1], 15, "the new suffix at a")
+        assert address(await ask(a.resolver, "two.new.example")) == CORP
+        write([])
+        assert c.reload().applied
+        await async_wait_until(lambda: not a.mesh.dns_servers()[1], 15, "c serving nothing")
+        assert address(await ask(a.resolver, "three.lan.example")) == MAIN
+    finally:
+        await a.stop()
+        await c.stop()
