@@ -15,7 +15,12 @@ neighbours. Per round the coordinator reports:
   seconds): `%core/node` (host CPU / nodes / seconds), `B/s/link` the bytes one
   direction of a link carries (the link layer's count: sealed records, no
   TCP/IP headers), `records/s/node` route records received, `versions/s/node`
-  own records originated, `builds/s/node` route graph builds.
+  own records originated, `builds/s/node` route graph builds; and what made the
+  versions: `idle_latency_versions` (latency changes, whole mesh), `idle_links_dead`
+  and `idle_links_up` (links that went silent, and came up).
+* **join_s**: one more node joins the standing mesh (two links, from host 0):
+  until every node routes to it. This is the protocol's propagation, with little
+  CPU in it (each node checks one or two new versions).
 * **memory**: `rss_MiB/node` (the hosts' RSS after convergence less their RSS
   before any node started, per node) and `table_MiB/node` (a deep size of node
   0's RouteTable in each host, mean over hosts: records, per-neighbour sync
@@ -39,6 +44,7 @@ import gc
 import ipaddress
 import json
 import os
+import random
 import resource
 import subprocess
 import sys
@@ -121,21 +127,25 @@ class Host:
         self.out.write(json.dumps(msg) + "\n")
         self.out.flush()
 
-    async def start(self) -> None:
+    async def add_node(self, i: int) -> Any:
         from meshgate.config import from_dict as config_from_dict
         from meshgate.mesh.identity import Identity
         from meshgate.mesh.service import MeshService
 
+        ip = ipaddress.IPv4Address(0x0A000001 + i)
+        cfg = config_from_dict({
+            "node": {"name": f"n{i}", "network": "scale", "secret": "scale bench", "ipv4": f"{ip}/8"},
+            "mesh": {"listen": ["tcp://127.0.0.1:0"], "peers": [], "traversal": False},
+            "limits": {"route_records": max(4096, 2 * self.n), "max_peers": 256},
+        })
+        svc = MeshService(cfg, identity=Identity.generate())
+        await svc.start()
+        self.nodes.append(svc)
+        return svc
+
+    async def start(self) -> None:
         for i in self.indices:
-            ip = ipaddress.IPv4Address(0x0A000001 + i)
-            cfg = config_from_dict({
-                "node": {"name": f"n{i}", "network": "scale", "secret": "scale bench", "ipv4": f"{ip}/8"},
-                "mesh": {"listen": ["tcp://127.0.0.1:0"], "peers": [], "traversal": False},
-                "limits": {"route_records": max(4096, 2 * self.n), "max_peers": 256},
-            })
-            svc = MeshService(cfg, identity=Identity.generate())
-            await svc.start()
-            self.nodes.append(svc)
+            await self.add_node(i)
         self.say(ports=[int(s.listen_addrs[0].rsplit(":", 1)[1]) for s in self.nodes])
 
     def set_peers(self, peers: dict[str, list[int]]) -> None:
@@ -155,17 +165,21 @@ class Host:
         }
         for key in ("records_rx", "records_verified", "builds"):
             out[key] = float(sum(getattr(svc.table, key, 0) for svc in self.nodes))
+        for key in ("latency_versions", "link_dead", "handshake_ok"):
+            out[key] = float(sum(svc.stats[key] for svc in self.nodes))
         return out
 
-    async def watch(self) -> None:
-        """Report once when every node of this host reaches all N."""
+    async def watch(self, target: int) -> None:
+        """Report once when every node of this host has routes to `target` nodes."""
         while True:
-            if all(len(svc.table.hop_paths) >= self.n for svc in self.nodes):
+            if all(len(svc.table.hop_paths) >= target for svc in self.nodes):
                 self.say(converged_at=time.monotonic(), **self.counters())
                 return
             await asyncio.sleep(0.02)
 
     async def run(self) -> None:
+        from meshgate.config import LinkUrl
+
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -176,7 +190,14 @@ class Host:
             op = cmd["op"]
             if op == "peers":
                 self.set_peers(cmd["peers"])
-                watcher = asyncio.ensure_future(self.watch())
+                watcher = asyncio.ensure_future(self.watch(self.n))
+            elif op == "join":  # one more node, dialing the given ports: how fast all learn it
+                svc = await self.add_node(cmd["index"])
+                urls = tuple(LinkUrl("tcp", "127.0.0.1", port) for port in cmd["peers"])
+                svc.set_peers(urls)
+                watcher = asyncio.ensure_future(self.watch(self.n + 1))
+            elif op == "watch":
+                watcher = asyncio.ensure_future(self.watch(cmd["target"]))
             elif op == "counters":
                 self.say(**self.counters())
             elif op == "memory":
@@ -255,7 +276,8 @@ class Hosts:
 
 
 def totals(rows: list[dict[str, Any]]) -> dict[str, float]:
-    keys = ("cpu_s", "bytes_out", "links", "versions", "records_rx", "records_verified", "builds")
+    keys = ("cpu_s", "bytes_out", "links", "versions", "records_rx", "records_verified", "builds",
+            "latency_versions", "link_dead", "handshake_ok")
     return {k: float(sum(r.get(k, 0.0) for r in rows)) for k in keys}
 
 
@@ -298,7 +320,19 @@ def one_round(
         out["idle_records/s/node"] = (b["records_rx"] - a["records_rx"]) / n / span
         out["idle_versions/s/node"] = (b["versions"] - a["versions"]) / n / span
         out["idle_builds/s/node"] = (b["builds"] - a["builds"]) / n / span
+        # what the versions were: latency changes, or links that went (silent) and came back
+        out["idle_latency_versions"] = b["latency_versions"] - a["latency_versions"]
+        out["idle_links_dead"] = b["link_dead"] - a["link_dead"]
+        out["idle_links_up"] = b["handshake_ok"] - a["handshake_ok"]
         out["links"] = links / 2
+        # a node joins the standing mesh (host 0, two links): until every node routes to it
+        rng = random.Random(seed)
+        joined = [hosts.ports[j] for j in rng.sample(range(n), 2)]
+        t2 = time.monotonic()
+        hosts.send(hosts.children[0], op="join", index=n, peers=joined)
+        for c in hosts.children[1:]:
+            hosts.send(c, op="watch", target=n + 1)
+        out["join_s"] = max(hosts.read(c)["converged_at"] for c in hosts.children) - t2
         return out
     finally:
         hosts.stop()

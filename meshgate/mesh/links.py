@@ -32,6 +32,7 @@ log = logging.getLogger("meshgate.mesh.links")
 _rlog = RateLimitedLog(log)
 
 RTT_GAIN = 1 / 8  # the smoothed RTT's EWMA gain once warmed up (TCP's SRTT, RFC 6298)
+RTTVAR_GAIN = 1 / 4  # the mean deviation's gain (TCP's RTTVAR, RFC 6298)
 
 
 class LinkOwner(Protocol):
@@ -71,7 +72,15 @@ class LinkBase:
         self.last_rx = self.loop.time()
         self.latency_us = 0  # smoothed ping RTT in µs; 0 = not measured yet
         self.rtt_samples = 0  # ping round trips measured
+        # how far the latency wanders by itself: RTTVAR (RFC 6298), falling no faster than
+        # SRTT settles, so a stray sample's pull on SRTT stays covered while it lasts
+        self.jitter_us = 0
         self._srtt = 0.0
+        self._rttvar = 0.0
+        self._jitter = 0.0
+        # loop time of the last PING from the peer that carried its RTT of this link: such a
+        # peer keeps the link's pings going itself (MeshService._tick)
+        self.peer_pinged = -1e9
         self.bytes_in = 0
         self.bytes_out = 0
         self.bytes_reported = (0, 0)
@@ -135,9 +144,30 @@ class LinkBase:
         """One ping round trip. The smoothed RTT is the mean of the first 8 samples,
         then an EWMA with gain 1/8: no single sample (a slow first ping at link-up
         among them) rules it for long."""
-        self.rtt_samples += 1
+        self._deviation(rtt_us)
         self._srtt += max(RTT_GAIN, 1 / self.rtt_samples) * (rtt_us - self._srtt)
         self.latency_us = max(1, round(self._srtt))
+
+    def rtt_reported(self, rtt_us: int, jitter_us: int) -> None:
+        """The peer's smoothed RTT of this link and its jitter, from its PING: taken as they
+        are (smoothed there), so both ends' records carry the same figure, moved alike."""
+        self.rtt_samples += 1
+        self._srtt = float(rtt_us)
+        self._rttvar = self._jitter = float(jitter_us)
+        self.latency_us = max(1, rtt_us)
+        self.jitter_us = jitter_us
+
+    def _deviation(self, rtt_us: int) -> None:
+        """RTTVAR as RFC 6298 keeps it (R/2 at first, then gain 1/4 on |SRTT - R|): how
+        far the link's latency wanders by itself, which re-origination looks past."""
+        self.rtt_samples += 1
+        if self.rtt_samples == 1:
+            self._rttvar = rtt_us / 2
+        else:
+            self._rttvar += RTTVAR_GAIN * (abs(self._srtt - rtt_us) - self._rttvar)
+        # RTTVAR alone falls faster (gain 1/4) than a stray sample's pull on SRTT (1/8) fades
+        self._jitter = max(self._rttvar, self._jitter * (1 - RTT_GAIN))
+        self.jitter_us = round(self._jitter)
 
     def send_frame(
         self, ftype: int, flags: int, hop: int, src: int, dst: int, head: Any, data: Any = b""

@@ -120,11 +120,22 @@ EXPIRY_CHECK_TICKS = 10  # ping intervals between checks for certificates that e
 MIN_BUILD_INTERVAL = 0.05  # seconds between route builds while records keep changing
 ORIGINATE_DELAY = 0.05  # coalesce changes of the own record made within this time
 # A neighbour's smoothed latency is re-originated when it moved from what the own
-# record says by more than LATENCY_CHANGE of it and LATENCY_FLOOR_US, at most once
-# per LATENCY_HOLD_PINGS ping intervals (a link's first measurement goes at once).
+# record says by more than LATENCY_CHANGE of it, LATENCY_FLOOR_US and LATENCY_JITTER
+# times the link's own jitter (a version floods to every node, each checking its
+# signature and rebuilding its routes: measurement noise must not make versions), at
+# most once per LATENCY_HOLD_PINGS ping intervals; latency-only versions in a row (a link
+# that keeps swinging) double that hold, up to LATENCY_BACKOFF_MAX times. A link's first
+# measurement goes at once.
 LATENCY_CHANGE = 0.2
 LATENCY_FLOOR_US = 50
+LATENCY_JITTER = 3
 LATENCY_HOLD_PINGS = 5
+LATENCY_BACKOFF_MAX = 64
+# PING body: token u64 (opaque to the receiver, echoed in the PONG), then the sender's
+# smoothed RTT of this link and its jitter, in µs (0: not measured). The side that dialed
+# a link pings it; the other side answers and takes that RTT and jitter as the link's, and
+# pings only while no such PING arrives (a peer before this sends an 8-byte token alone).
+PING_BODY = struct.Struct("!QII")
 
 
 def cidr_claims(mesh: MeshConfig) -> tuple[tuple[certs.IPNetwork, bool], ...]:
@@ -138,9 +149,11 @@ def rtt_clock_us() -> int:
     return time.monotonic_ns() // 1000
 
 
-def latency_moved(now_us: int, recorded_us: int) -> bool:
-    """Whether a smoothed latency differs enough from the recorded one to re-originate."""
-    return abs(now_us - recorded_us) > max(LATENCY_FLOOR_US, LATENCY_CHANGE * recorded_us)
+def latency_moved(now_us: int, recorded_us: int, jitter_us: int = 0) -> bool:
+    """Whether a smoothed latency differs enough from the recorded one to re-originate:
+    beyond the relative and absolute band and beyond what the link's jitter explains."""
+    band = max(LATENCY_FLOOR_US, LATENCY_CHANGE * recorded_us, LATENCY_JITTER * jitter_us)
+    return abs(now_us - recorded_us) > band
 
 
 class MeshService:
@@ -224,6 +237,8 @@ class MeshService:
         self._originate_timer: asyncio.TimerHandle | None = None
         self._latency_timer: asyncio.TimerHandle | None = None
         self._last_originated = -1e9  # loop time the own record last changed
+        self._latency_backoff = 1  # the latency hold's multiplier (LATENCY_BACKOFF_MAX)
+        self._latency_versioned = -1e9  # loop time of the last latency-only re-origination
         self._reachable: set[int] = {self.node_id}
         self._sessions: dict[int, int] = {}  # reachable origin -> the session its record carries
         self._ways_back: dict[int, LinkBase] = {}  # opener -> the link its last OPEN came in on
@@ -561,11 +576,11 @@ class MeshService:
         if recorded == 0:
             self._update_neighbours()  # the first measurement: at once
             return
-        if not latency_moved(best.latency_us, recorded):
+        if not latency_moved(best.latency_us, recorded, best.jitter_us):
             return
-        due = self._last_originated + self.latency_hold
+        due = self._last_originated + self.latency_hold * self._latency_backoff
         if self.loop.time() >= due:
-            self._update_neighbours()
+            self._latency_version()
         elif self._latency_timer is None:
             self._latency_timer = self.loop.call_at(due, self._latency_due)
 
@@ -574,9 +589,24 @@ class MeshService:
         recorded = dict(self.table.local.neighbours)
         for nid in self.links:
             best = self._best_link(nid)
-            if best is not None and nid in recorded and latency_moved(best.latency_us, recorded[nid]):
-                self._update_neighbours()
+            if best is not None and nid in recorded and latency_moved(
+                best.latency_us, recorded[nid], best.jitter_us
+            ):
+                self._latency_version()
                 return
+
+    def _latency_version(self) -> None:
+        """Re-originate for a latency change. One soon after the previous latency-only
+        version (within twice the hold) doubles the hold: a link whose latency keeps
+        swinging makes ever fewer versions; a quiet spell brings the hold back."""
+        now = self.loop.time()
+        if now - self._latency_versioned < 2 * self.latency_hold * self._latency_backoff:
+            self._latency_backoff = min(2 * self._latency_backoff, LATENCY_BACKOFF_MAX)
+        else:
+            self._latency_backoff = 1
+        self._latency_versioned = now
+        self.stats["latency_versions"] += 1
+        self._update_neighbours()
 
     # ------------------------------------------------------------------ revocation, expiry
 
@@ -644,8 +674,26 @@ class MeshService:
 
     def _send_ping(self, link: LinkBase) -> None:
         assert link.peer is not None
-        token = U64.pack(rtt_clock_us())
-        link.send_frame(PING, 0, 1, self.node_id, link.peer.node_id, token)
+        top = 0xFFFFFFFF
+        body = PING_BODY.pack(rtt_clock_us(), min(link.latency_us, top), min(link.jitter_us, top))
+        link.send_frame(PING, 0, 1, self.node_id, link.peer.node_id, body)
+
+    def _pings(self, link: LinkBase, now: float) -> bool:
+        """Does this side ping `link` this tick? The dialer does; the other side answers
+        its PINGs (which carry the RTT) and pings only when none came for a while (a peer
+        before PING_BODY, or pings lost): one ping exchange per interval, not two."""
+        return link.initiator or now - link.peer_pinged > 2.5 * self.ping_interval
+
+    def _on_ping(self, link: LinkBase, body: memoryview) -> None:
+        assert link.peer is not None
+        link.send_frame(PONG, 0, 1, self.node_id, link.peer.node_id, body)
+        if len(body) != PING_BODY.size or link.initiator:
+            return  # a token alone (a node before PING_BODY), or the dialer, who measures itself
+        link.peer_pinged = self.loop.time()
+        _, rtt, jitter = PING_BODY.unpack(body)
+        if rtt:
+            link.rtt_reported(rtt, jitter)
+            self._latency_changed(link.peer.node_id)
 
     def _tick(self) -> None:
         now = self.loop.time()
@@ -663,7 +711,8 @@ class MeshService:
                     self._forget_link(link)
                     link.abort()
                     continue
-                self._send_ping(link)
+                if self._pings(link, now):
+                    self._send_ping(link)
                 self._report_counters(link)
         self.table.expire(now)
         self._watch_revocation_file()
@@ -729,9 +778,9 @@ class MeshService:
         link.bytes_reported = (link.bytes_in, link.bytes_out)
 
     def _on_pong(self, link: LinkBase, body: memoryview) -> None:
-        if len(body) != 8 or link.peer is None:
+        if len(body) not in (U64.size, PING_BODY.size) or link.peer is None:
             return
-        rtt = rtt_clock_us() - U64.unpack(body)[0]
+        rtt = rtt_clock_us() - U64.unpack_from(body)[0]
         if not 0 <= rtt < 1 << 32:
             return  # not a token this process sent
         link.rtt_sample(max(1, rtt))
@@ -818,8 +867,7 @@ class MeshService:
     ) -> None:
         if ftype in LINK_LOCAL:
             if ftype == PING:
-                assert link.peer is not None
-                link.send_frame(PONG, 0, 1, self.node_id, link.peer.node_id, body)
+                self._on_ping(link, body)
             elif ftype == PONG:
                 self._on_pong(link, body)
             elif ftype == ROUTES:

@@ -197,7 +197,9 @@ async def test_latency_reorigination_follows_the_smoothed_rtt_and_is_rate_bounde
         assert (a._latency_timer, a._originate_timer, a.table.local.version) == (None, None, version)
 
         # bursts swinging between 0.5 and 6 ms, every 20 ms for 1.5 s (75 changes of
-        # well over 20 %): one version per latency_hold (0.3 s), not one per burst
+        # well over 20 %): at most one version per latency_hold (0.3 s), not one per burst
+        # (most of such a swing is the link's own jitter, which makes none at all;
+        # tests/integration/test_mesh_idle.py has the jitter and the growing hold)
         began = loop.time()
         swings = 0
         while loop.time() - began < 1.5:
@@ -206,8 +208,13 @@ async def test_latency_reorigination_follows_the_smoothed_rtt_and_is_rate_bounde
             swings += 1
             await asyncio.sleep(0.02)
         made = a.table.local.version - version
-        assert swings > 40 and 2 <= made <= 1.5 / 0.3 + 2, (swings, made)
-        # and after the swinging stops the record settles on what the link measures
-        await async_wait_until(lambda: not latency_moved(link.latency_us, recorded()), 5, "settled")
+        assert swings > 40 and made <= 1.5 / 0.3 + 2, (swings, made)
+
+        # and once the link measures steadily again the record settles on what it measures
+        def steady() -> bool:
+            pong(3000)
+            return not latency_moved(link.latency_us, recorded())
+
+        await async_wait_until(steady, 10, "settled")
     finally:
         await stop_all([a, b])
