@@ -357,11 +357,11 @@ class LimitsConfig:
     dns_client_table: int = 65536  # client prefixes tracked per listener; more: the idle go first
     doq_max_streams: int = 64
     doq_stream_timeout: float = 5.0
-    # the UDP DNS listeners' cache-hit fast path (dns/preformed.py): repeated queries answered from
-    # preformed answers, at most dns_udp_fast_entries per listener and process; false = every UDP
+    # the udp and doh listeners' cache-hit fast path (dns/preformed.py): repeated queries answered
+    # from preformed answers, at most dns_fast_path_entries per listener and process; false = every
     # query takes the general path
-    dns_udp_fast: bool = True
-    dns_udp_fast_entries: int = 4096
+    dns_fast_path: bool = True
+    dns_fast_path_entries: int = 4096
     buffer_pool_size: int = 1024
     admin_max_clients: int = 64
     # one source cannot hold every admin slot (70 idle connections locked the API out for 5 s)

@@ -27,6 +27,7 @@ from meshgate.config import HostPort
 from meshgate.dns.h1server import ALPN, start_https
 from meshgate.dns.h2server import Response, current_peer
 from meshgate.dns.listeners import Listener, bound_address
+from meshgate.dns.preformed import PreformedAnswers
 from meshgate.dns.ratelimit import ClientRateLimit
 from meshgate.dns.resolver import Frontend, Later, Pipeline, Ready
 from meshgate.dns.stats import ListenerStats
@@ -66,12 +67,20 @@ def _error(status: int, text: str, extra: list[tuple[str, str]] | None = None) -
 
 
 class DohApp:
+    """`fast_entries`: the bound of its preformed-answer table (dns/preformed.py, the cache-hit
+    fast path: a repeated query answered without parsing or packing); 0: none. A listener with a
+    per-client rate limit or a query log keeps to the general path (which checks and logs)."""
+
     def __init__(self, pipeline: Pipeline, stats: ListenerStats, path: str = "/dns-query",
-                 limiter: ClientRateLimit | None = None) -> None:
+                 limiter: ClientRateLimit | None = None, fast_entries: int = 0) -> None:
         self.frontend = Frontend(pipeline, stats, limiter=limiter)
+        self.pipeline = pipeline
         self.stats = stats
         self.path = path
         self.loop = asyncio.get_running_loop()
+        self.fast = (PreformedAnswers(pipeline, fast_entries, udp=False)
+                     if fast_entries > 0 and limiter is None else None)
+        self._count_armed = False
         # The 200 answer's header list per max-age: shared, never mutated (h2server only reads it).
         self._ok_headers: dict[int, list[tuple[str, str]]] = {}
         self._alt_svc: list[tuple[str, str]] = []
@@ -104,12 +113,37 @@ class DohApp:
         else:
             self.stats.error("http_405")
             return _error(405, "use GET or POST\n", [("allow", "GET, POST")])
-        res = self.frontend.query(msg, self.loop.time(), current_peer.get())
+        now = self.loop.time()
+        fast = self.fast if self.pipeline.query_log is None else None  # the log sees every question
+        if fast is not None:
+            out = fast.answer(msg, now)
+            if out is not None:
+                if not self._count_armed:
+                    self._count_armed = True
+                    self.loop.call_soon(self._count)
+                return self._ok(out, fast.max_age)
+        res = self.frontend.query(msg, now, current_peer.get())
         if isinstance(res, Ready):
-            return self._ok(res.buffer, res.max_age)
+            ok = self._ok(res.buffer, res.max_age)
+            if fast is not None:
+                fast.learn(msg, now)
+            return ok
         if res is None:
             return _error(400, "not a DNS query\n")
         return self._ok_later(res)
+
+    def _count(self) -> None:
+        """The fast path's hits of this loop tick, added to the counters at once."""
+        self._count_armed = False
+        assert self.fast is not None
+        hits, cache_hits, rcodes = self.fast.take_counts()
+        if hits:
+            self.stats.queries.inc(hits)
+            for rcode, n in enumerate(rcodes):
+                if n:
+                    self.stats.response(rcode, n)
+            if cache_hits:
+                self.pipeline.cache.count_hits(cache_hits)
 
     async def _ok_later(self, later: Later) -> Response:
         try:
@@ -119,7 +153,7 @@ class DohApp:
             raise
         return self._ok(None, 0) if ready is None else self._ok(ready.buffer, ready.max_age)
 
-    def _ok(self, buf: Buffer | None, max_age: int) -> Response:
+    def _ok(self, buf: Buffer | bytes | None, max_age: int) -> Response:
         if buf is None:  # dropped: too much in flight
             return _error(503, "busy\n", [("retry-after", "1")])
         headers = self._ok_headers.get(max_age)
@@ -143,7 +177,9 @@ class DohListener(Listener):
 
     async def _serve(self) -> HostPort:
         ssl = self.ssl_context(ALPN)
-        app = self.app = DohApp(self.pipeline, self.stats, self.cfg.path, self.limiter)
+        lim = self.limits
+        app = self.app = DohApp(self.pipeline, self.stats, self.cfg.path, self.limiter,
+                                lim.dns_fast_path_entries if lim.dns_fast_path else 0)
         app.advertise(self.cfg.alt_svc)  # a worker process: what the node's listener advertises
         hp = self.cfg.listen
         self.server, self.conns = await start_https(app, self.stats, self.limits, hp.host, hp.port, ssl,

@@ -346,8 +346,8 @@ class UdpListener(Listener):
         hp = self.cfg.listen
         self.transport = await start_udp(self.pipeline, self.stats, hp.host, hp.port,
                                          reuse_port=self.reuse_port, limiter=self.limiter,
-                                         fast_entries=self.limits.dns_udp_fast_entries
-                                         if self.limits.dns_udp_fast else 0)
+                                         fast_entries=self.limits.dns_fast_path_entries
+                                         if self.limits.dns_fast_path else 0)
         return bound_address(self.transport.get_extra_info("sockname"))
 
     async def stop(self) -> None:

@@ -1,12 +1,12 @@
-"""Preformed UDP answers: the cache-hit fast path's table, sans-I/O (bytes and `now` in, bytes out).
+"""Preformed answers: the cache-hit fast path's table, sans-I/O (bytes and `now` in, bytes out).
 
 The general path (resolver.Frontend) parses every query, looks it up and packs the answer. For
-UDP the answer is a function of the query's bytes after its ID (flags, question with its letter
-case, EDNS size, DO bit and options) and of the Answer it comes from, aged to the second. So once
-the general path has answered a query from the cache or from local data, `learn()` packs the same
-answer once more and stores it under those bytes; `answer()` then serves a repeat of that query
-with a dictionary look-up: the stored bytes behind the new ID, the TTLs re-patched when the age
-moved to another second. Nothing is parsed on a hit.
+UDP (and likewise for DoH, `udp=False`) the answer is a function of the query's bytes after its
+ID (flags, question with its letter case, EDNS size, DO bit and options) and of the Answer it
+comes from, aged to the second. So once the general path has answered a query from the cache or
+from local data, `learn()` packs the same answer once more and stores it under those bytes;
+`answer()` then serves a repeat of that query with a dictionary look-up: the stored bytes behind
+the new ID, the TTLs re-patched when the age moved to another second. Nothing is parsed on a hit.
 
 A stored answer is served only while the general path would give the same bytes:
 
@@ -17,10 +17,11 @@ A stored answer is served only while the general path would give the same bytes:
 - for a cache answer, the cache still holds that very Answer object, unexpired.
 
 Blocked answers are left to the general path (they count per list). The query log, when on,
-sees every question, so the listener then keeps to the general path. A hit keeps the cache's
-LRU order and is counted like a general hit, in batches (`take_counts`).
+sees every question, so the listener then keeps to the general path; so does a DoH listener
+with a per-client rate limit (the UDP listener checks the limit itself on a hit, once a query).
+A hit keeps the cache's LRU order and is counted like a general hit, in batches (`take_counts`).
 
-The table is bounded (`limits.dns_udp_fast_entries`): full, it is emptied and refilled by what
+The table is bounded (`limits.dns_fast_path_entries`): full, it is emptied and refilled by what
 is asked next, as the pipeline's memo is.
 """
 
@@ -58,9 +59,14 @@ class _Entry:
 
 
 class PreformedAnswers:
-    def __init__(self, pipeline: Pipeline, size: int) -> None:
+    """`udp`: answers sized for UDP (the client's EDNS size, TC beyond it); False: for DoH (never
+    truncated; `max_age` then holds the remaining TTL of the answer just given, cache-control's)."""
+
+    def __init__(self, pipeline: Pipeline, size: int, *, udp: bool = True) -> None:
         self.pipeline = pipeline
         self.size = size
+        self.udp = udp
+        self.max_age = 0
         self._table: dict[bytes, _Entry] = {}
         self._scratch = Buffer(_SCRATCH, 0)
         # counted on hits, taken in batches by the listener (take_counts)
@@ -96,6 +102,10 @@ class PreformedAnswers:
                     _U32.pack_into(patched, off, ttl - age if ttl > age else 0)
                 e.tail = bytes(patched)
                 e.age = age
+            if not self.udp:  # what pack_answer returns
+                self.max_age = ans.ttl if age <= 0 else max(ans.ttl - age, 0)
+        elif not self.udp:
+            self.max_age = ans.ttl
         self.hits += 1
         self.rcodes[e.rcode] += 1
         self._last = e
@@ -134,7 +144,8 @@ class PreformedAnswers:
         buf = self._scratch
         if wire.packed_size(ans, q, q.padding) > buf.capacity:
             return
-        wire.pack_answer(buf, ans, q, now, limit=udp_limit(q), pad=q.padding)
+        limit = udp_limit(q) if self.udp else wire.MAX_MESSAGE
+        wire.pack_answer(buf, ans, q, now, limit=limit, pad=q.padding)
         out = buf.data[buf.start + 2 : buf.start + buf.length]
         # TTLs sit where they sit in ans.wire (the question is the client's, of the same length);
         # a truncated answer (header, question, OPT) has none.

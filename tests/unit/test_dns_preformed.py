@@ -19,6 +19,7 @@ from pathlib import Path
 
 import dns.message
 import dns.rrset
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -105,18 +106,23 @@ def queries(draw: st.DrawFn) -> bytes:
     return struct.pack(">HHHHH", flags, 1, 0, 0, 1 if opt else 0) + question + opt
 
 
-def _general(fe: Frontend, data: bytes, now: float) -> bytes | None:
-    """The general path's answer now; None when it has none at once (dropped, or the question
-    goes upstream: these pipelines have no upstream, so that is abandoned)."""
-    res = fe.query(data, now, PEER, udp=True)
+def _general(fe: Frontend, data: bytes, now: float, udp: bool = True) -> bytes | None:
+    """The general path's answer now (as the UDP listener asks, or DoH: `udp` False); None when
+    it has none at once (dropped, or the question goes upstream: these pipelines have no
+    upstream, so that is abandoned). DoH's max-age is left in MAX_AGE."""
+    res = fe.query(data, now, PEER, udp=udp)
     if res is None:
         return None
     if not isinstance(res, Ready):
         res.abandon()
         return None
     out = res.buffer.tobytes()
+    MAX_AGE[0] = res.max_age
     res.buffer.recycle()
     return out
+
+
+MAX_AGE = [0]
 
 
 def _in_loop(body: Callable[[], Awaitable[None]]) -> None:
@@ -141,33 +147,39 @@ def _check_ttls(out: bytes, data: bytes, now: float) -> None:
             assert rrset.ttl == max(60 - int(now - T0), 0)
 
 
+@pytest.mark.parametrize("udp", [True, False], ids=["udp", "doh"])
 @settings(max_examples=200, deadline=None)
-@given(st.lists(queries(), min_size=1, max_size=3),
-       st.lists(st.tuples(st.integers(0, 2), st.integers(0, 0xFFFF), st.floats(0.0, 0.7)), min_size=1,
+@given(asked=st.lists(queries(), min_size=1, max_size=3),
+       steps=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 0xFFFF), st.floats(0.0, 0.7)), min_size=1,
                 max_size=16))
-def test_fast_path_answers_as_the_general_path(asked: list[bytes],
-                                               steps: list[tuple[int, int, float]]) -> None:
+def test_fast_path_answers_as_the_general_path(asked: list[bytes], steps: list[tuple[int, int, float]],
+                                               udp: bool) -> None:
     """`asked`: a few distinct queries; `steps`: which one comes next (repeats are what the table
-    serves), under which ID, how long after the one before."""
+    serves), under which ID, how long after the one before; `udp`: as the UDP listener answers
+    (EDNS size, TC) or as DoH does (never truncated, and the cache-control max-age)."""
+
     async def body() -> None:
         served, twin = _pipeline(), _pipeline()
         fe = Frontend(served, ListenerStats("udp://fast"))
         fe_twin = Frontend(twin, ListenerStats("udp://general"))
-        fast = PreformedAnswers(served, 64)
+        fast = PreformedAnswers(served, 64, udp=udp)
         now = T0
         for which, qid, dt in steps:
             now += dt
             data = struct.pack(">H", qid) + asked[which % len(asked)]
-            expected = _general(fe_twin, data, now)
+            expected = _general(fe_twin, data, now, udp)
+            max_age = MAX_AGE[0]
             out = fast.answer(data, now)
             if out is None:  # what the listener does: the general path, which teaches the table
-                got = _general(fe, data, now)
+                got = _general(fe, data, now, udp)
                 if got is not None:
                     fast.learn(data, now)
                 assert got == expected
                 continue
             assert out == expected, (data.hex(), out.hex(), expected)
             _check_ttls(out, data, now)
+            if not udp:
+                assert fast.max_age == max_age
         fe.close()
         fe_twin.close()
 

@@ -1,6 +1,7 @@
-"""The UDP listener's fast path on loopback with dnspython: the same answers and the same counts
-as with it off (`limits.dns_udp_fast = false`), repeats served from the table, and the
-listener's socket read in batches without one callback per datagram."""
+"""The cache-hit fast path on loopback: the udp and doh listeners give the same answers and the
+same counts as with it off (`limits.dns_fast_path = false`) to dnspython (UDP, DoH GET and POST),
+repeats are served from the table, and the UDP listener reads its socket in batches without one
+callback per datagram."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import dns.asyncquery
+import dns.flags
 import dns.message
+import dns.query
 import dns.rcode
 import pytest
 
@@ -37,8 +40,9 @@ async def _start(tmp_path: Path, auth: LocalAuthority, fast_entries: int) -> ser
     cfg = from_dict({
         "node": {"name": "alpha", "ipv4": "10.144.144.1/24", "state_dir": str(tmp_path / "state")},
         "dns": {"upstreams": [auth.url], "records": {"printer.mesh.internal.": "10.1.2.9"},
-                "listener": [{"protocol": "udp", "listen": "127.0.0.1:0"}]},
-        "limits": {"dns_udp_fast": fast_entries > 0, "dns_udp_fast_entries": max(fast_entries, 1)},
+                "listener": [{"protocol": "udp", "listen": "127.0.0.1:0"},
+                             {"protocol": "doh", "listen": "127.0.0.1:0"}]},
+        "limits": {"dns_fast_path": fast_entries > 0, "dns_fast_path_entries": max(fast_entries, 1)},
     })
     svc = service.DnsService(cfg, service.Pipeline(cfg))
     await svc.start()
@@ -55,7 +59,14 @@ def _server(svc: service.DnsService) -> UdpDnsServer:
     return t
 
 
-async def _ask_all(port: int, rounds: int) -> list[tuple[str, int, list[str]]]:
+async def _ask(svc: service.DnsService, how: str, q: dns.message.Message) -> dns.message.Message:
+    if how == "udp":
+        return await dns.asyncquery.udp(q, "127.0.0.1", port=_port(svc), timeout=5)
+    return await asyncio.to_thread(dns.query.https, q, svc.urls[1], timeout=10, verify=False,
+                                   post=how == "post")
+
+
+async def _ask_all(svc: service.DnsService, how: str, rounds: int) -> list[tuple[str, int, list[str]]]:
     """Every name, A and AAAA, with and without EDNS, `rounds` times: (question, rcode, records
     without their TTLs), and every TTL checked to be at most the one first seen."""
     out = []
@@ -65,7 +76,9 @@ async def _ask_all(port: int, rounds: int) -> list[tuple[str, int, list[str]]]:
             for rdtype in ("A", "AAAA"):
                 for edns in (False, True):
                     q = dns.message.make_query(name, rdtype, use_edns=0 if edns else False)
-                    r = await dns.asyncquery.udp(q, "127.0.0.1", port=port, timeout=5)
+                    if how != "udp":
+                        q.id = 0  # RFC 8484 4.1: cache-friendly
+                    r = await _ask(svc, how, q)
                     assert r.id == q.id
                     recs = sorted(rr.to_text() for rrset in r.answer + r.authority for rr in rrset)
                     ttls = [rrset.ttl for rrset in r.answer + r.authority]
@@ -77,26 +90,30 @@ async def _ask_all(port: int, rounds: int) -> list[tuple[str, int, list[str]]]:
     return out
 
 
-def _counts(svc: service.DnsService) -> dict[str, Any]:
-    snap = svc.stats[svc.urls[0]].snapshot()
+def _counts(svc: service.DnsService, i: int) -> dict[str, Any]:
+    snap = svc.stats[svc.urls[i]].snapshot()
     return {"queries": snap["queries"], "responses": snap["responses"], "drops": snap["drops"],
             "errors": snap["errors"]}
 
 
-async def test_fast_path_answers_and_counts_as_the_general_path(tmp_path: Path, auth: LocalAuthority) -> None:
+@pytest.mark.parametrize("how", ["udp", "get", "post"])
+async def test_fast_path_answers_and_counts_as_the_general_path(tmp_path: Path, auth: LocalAuthority,
+                                                                how: str) -> None:
     hits = REGISTRY.counter("meshgate_dns_cache_hits_total", "")
     results = {}
     counts = {}
     cache_hits = {}
+    listener = 0 if how == "udp" else 1
     for entries in (0, 4096):
         svc = await _start(tmp_path / str(entries), auth, entries)
         try:
             before = hits.value
-            results[entries] = await _ask_all(_port(svc), 4)
-            await asyncio.sleep(0)  # the last batch's counts are added as its wake-up ends
-            counts[entries] = _counts(svc)
+            results[entries] = await _ask_all(svc, how, 3)
+            await asyncio.sleep(0)  # the last batch's counts are added as its loop tick ends
+            counts[entries] = _counts(svc, listener)
             cache_hits[entries] = hits.value - before
-            fast = _server(svc).fast
+            lst = svc.listeners[listener]
+            fast = _server(svc).fast if how == "udp" else lst.app.fast  # type: ignore[attr-defined]
             if entries:
                 assert fast is not None and len(fast) > 0
             else:
