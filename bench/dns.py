@@ -31,7 +31,11 @@ Tables (bench/common.py runner: alternating rounds, medians):
    this h2load has no QUIC, so the client is bench/h3load.py, aioquic's h3 in
    a process of its own, 4 connections x 16 streams: a Python client, likely
    the limit of the q/s it reports; the server's CPU per query is the figure
-   to compare; unbound 1.17 and dnsdist 1.7 serve no HTTP/3), DoH with
+   to compare; unbound 1.17 and dnsdist 1.7 serve no HTTP/3), DoQ (`doq
+   dnspython`: bench/doqload.py, dnspython's DoQ client in a process of its
+   own, 4 connections x 16 queries in flight; a client not written here, and
+   Python: the q/s it reports is its own limit, so the row also gives the
+   client's CPU per query; unbound 1.17 and dnsdist 1.7 serve no DoQ), DoH with
    dnsperf -m doh; against meshgate (`meshgate`: one process, uvloop;
    `meshgate-wN`: `dns.workers = N`, the node and N-1 worker processes sharing
    the listeners with SO_REUSEPORT; `--workers` picks the counts), unbound and
@@ -433,9 +437,11 @@ class Server:
     """One server under load; `threads` is how many processes (meshgate) or threads (peers)
     answer its listeners."""
 
-    def __init__(self, name: str, peer: Peer, udp: int, doh: int, threads: int = 1, h3: int = 0) -> None:
+    def __init__(self, name: str, peer: Peer, udp: int, doh: int, threads: int = 1, h3: int = 0,
+                 doq: int = 0) -> None:
         self.name, self.peer, self.udp, self.doh, self.threads = name, peer, udp, doh, threads
         self.h3 = h3  # DoH over HTTP/3 on this UDP port (0: none)
+        self.doq = doq  # DoQ on this UDP port (0: none)
 
 
 def _start_unbound(tmp: Path, name: str, threads: int, cert: Path, key: Path) -> Server:
@@ -499,7 +505,7 @@ def start_servers(tmp: Path, wanted: set[str], ab_ref: str | None = None,
 
 def _start_meshgate(tmp: Path, name: str, cwd: Path, upstream: str, cert: Path, key: Path,
                     workers: int = 1, rate_limit: bool = False) -> Server:
-    m_udp, m_doh = free_port(), free_port()
+    m_udp, m_doh, m_doq = free_port(), free_port(), free_port()
     # DoH over HTTP/3 on the DoH port number over UDP (the working tree only: an --ab REF from
     # before the doh3 kind would refuse the config).
     h3 = m_doh if cwd == ROOT else 0
@@ -532,6 +538,11 @@ cert = "{cert}"
 key = "{key}"
 {rl}
 {doh3 if h3 else ""}
+[[dns.listener]]
+protocol = "doq"
+listen = "127.0.0.1:{m_doq}"
+cert = "{cert}"
+key = "{key}"
 [limits]
 dns_max_inflight = 100000
 buffer_pool_size = 4096
@@ -540,7 +551,7 @@ buffer_pool_size = 4096
     argv = [sys.executable, "-m", "meshgate", "run", "-c", str(cfg)]
     # `python -m` imports meshgate from the working directory: the checkout or the git REF's tree.
     peer = Peer(name, argv, port=m_doh, cwd=str(cwd)).start()
-    return Server(name, peer, m_udp, m_doh, workers, h3)
+    return Server(name, peer, m_udp, m_doh, workers, h3, m_doq)
 
 
 def _query_b64(name: str) -> str:
@@ -612,6 +623,24 @@ def h3load(server: Server, n: int) -> Metrics:
     ok = int(got["ok"])
     return {"threads": float(server.threads), "qps": ok / got["seconds"], "lost": float(n - ok),
             "mean_ms": float("nan"), "cpu_us/q": cpu / max(ok, 1) * 1e6,
+            "peak_rss_MiB": server.peer.peak_rss_kib() / 1024}
+
+
+def doqload(server: Server, n: int) -> Metrics:
+    """DoQ queries for the cache hit from bench/doqload.py: dnspython's DoQ client (not written
+    here), 4 connections x 16 queries in flight, in a process of its own."""
+    argv = [sys.executable, str(ROOT / "bench" / "doqload.py"), str(server.doq), str(n), "--conns", "4",
+            "--streams", "16", "--name", HIT_NAME]
+    cpu0 = server.peer.cpu_seconds()
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=str(ROOT))
+    cpu = server.peer.cpu_seconds() - cpu0
+    if out.returncode != 0:
+        raise RuntimeError(f"doqload failed: {out.stderr[-600:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    ok = int(got["ok"])
+    return {"threads": float(server.threads), "qps": ok / got["seconds"], "lost": float(n - ok),
+            "mean_ms": float("nan"), "cpu_us/q": cpu / max(ok, 1) * 1e6,
+            "client_cpu_us/q": got["client_cpu_s"] / max(ok, 1) * 1e6,
             "peak_rss_MiB": server.peer.peak_rss_kib() / 1024}
 
 
@@ -724,6 +753,9 @@ def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Ru
     for name, s in live.items():
         if s.h3:
             add(f"{name} doh3 GET h3load", lambda s=s: h3load(s, max(n // 4, 1000)))
+    for name, s in live.items():
+        if s.doq:  # unbound 1.17 and dnsdist 1.7 serve no DoQ
+            add(f"{name} doq dnspython", lambda s=s: doqload(s, max(n // 4, 1000)))
     for name, s in live.items():
         if name.startswith("dnsdist"):
             # dnsperf 2.10 -m doh loses dnsdist 1.7's answers (dnsdist sends them; the client drops
