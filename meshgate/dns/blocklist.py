@@ -294,14 +294,21 @@ class ListFile:
     def kick(self) -> bool:
         """Re-read a changed file in a thread (a million lines take seconds to parse, which on
         the event loop would stall every answer and the mesh); `on_change` runs once the new
-        rules are in. False when a read is still running or no event loop runs (then: load())."""
+        rules are in. The stat is here (cheap); only a changed file starts a thread. False when
+        no event loop runs (the caller then load()s)."""
         if self.task is not None and not self.task.done():
-            return False
+            return True  # a read runs already
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return False
-        self.task = loop.create_task(self._refresh())
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            self._failed(e, False)
+            return True
+        if (st.st_mtime_ns, st.st_size) != self.stamp:
+            self.task = loop.create_task(self._refresh())
         return True
 
     async def _refresh(self) -> None:
@@ -427,7 +434,7 @@ class Blocklist:
         for f in self.files:
             # in the background (a file in a thread, a URL downloaded): the result rebuilds
             # the table; without an event loop a file is read now
-            if not f.kick() and isinstance(f, ListFile) and f.task is None:
+            if not f.kick() and isinstance(f, ListFile):
                 changed = f.load() or changed
         if changed:
             self._build()
@@ -473,3 +480,8 @@ class Blocklist:
 
     def status(self) -> dict[str, object]:
         return {"entries": self.entries, "lists": {f.path: f.status() for f in self.files}}
+
+    def close(self) -> None:
+        """Stop the reads and downloads still running (the pipeline closes)."""
+        for f in self.files:
+            f.cancel()

@@ -361,6 +361,8 @@ class Pipeline:
             for up in group.upstreams:
                 up.close()
         self._close_retired(list(self._retired))
+        if self.blocklist is not None:
+            self.blocklist.close()
         if self.query_log is not None:
             self.query_log.close()  # what is queued reaches the file; a later answer restarts it
 

@@ -109,3 +109,18 @@ def test_a_file_line_is_the_record_as_json() -> None:
         assert line.endswith(b"\n") and line.count(b"\n") == 1
         assert json.loads(line) == f.record(e)
     assert json.loads(line)["client"] == "2001:db8:1::" and json.loads(line)["answers"] == ["10.0.0.1"]
+
+
+def test_lines_built_from_remembered_fragments_stay_each_entrys_own() -> None:
+    """Formatter.line remembers the fragments of an Answer, a name and a string: lines for many
+    entries that share them, and for new Answers in between (a cache refilled), are still each
+    entry's own record, past the memos' bound too."""
+    f = Formatter("full")
+    answers = [a_answer(wire.NOERROR, bytes([192, 0, 2, i % 250])) for i in range(300)]
+    for i in range(10_000):
+        # now and then a fresh Answer, gone after its line: its id is soon another's
+        ans = answers[i % 300] if i % 7 else a_answer(wire.NOERROR, bytes([198, 51, 100, i % 256]))
+        name = wire.encode_name(f"h{i % 5000}.example.")
+        e = (i, 1700000000.5 + i, (f"192.0.2.{i % 200}", 53), f"udp://127.0.0.1:{i % 3}", name, 1, ans,
+             f"cache{i % 4}", i / 1000)
+        assert json.loads(f.line(e)) == f.record(e)
