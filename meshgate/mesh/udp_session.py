@@ -452,13 +452,35 @@ class UdpSession:
                 self.confirmed = True
                 self._hs_at = None
                 self._hs_packet = None
-            if plain[0] == CH_ACK and len(plain) >= ACK.size:  # every packet starts with one
+            pos = 0
+            plen = len(plain)
+            if plain[0] == CH_ACK and plen >= ACK.size:  # every packet starts with one
                 _, wire, sack = ACK.unpack_from(plain)
                 if sack or wire != self.snd_una & MASK:  # else nothing new: most packets of a bulk transfer
                     self._on_ack(wire, sack, now)
-                self._chunks(plain, ACK.size, now)
-            else:
-                self._chunks(plain, 0, now)
+                pos = ACK.size
+            if pos + DFRAG.size < plen and plain[pos] == CH_DFRAG and self._frames_seen:
+                # the next piece, in order, of a datagram being put together, filling the rest of
+                # the packet: nearly every packet of TUN traffic. Nothing it could overlap, its
+                # total checked with the first piece: only its own size and the byte bound.
+                # Anything else takes _chunks and _on_fragment's full checks.
+                _, fid, total, foff, fn = DFRAG.unpack_from(plain, pos)
+                start = pos + DFRAG.size
+                entry = self._frags.get(fid)
+                last = foff + fn
+                cost = fn + PIECE_COST
+                if (start + fn == plen and entry is not None and foff == entry.end and total == entry.total
+                        and (last == total or (last < total and fn >= FRAG_MIN)) and now < self._expire_at
+                        and self._frag_bytes + cost <= self.reassembly_bytes):
+                    entry.pieces[foff] = memoryview(plain)[start:]
+                    entry.got += fn
+                    entry.cost += cost
+                    entry.end = last
+                    self._frag_bytes += cost
+                    if entry.got == total:
+                        self._complete(fid, entry)
+                    continue
+            self._chunks(plain, pos, now)
         self.packets_in += good
         return good, off
 
@@ -545,21 +567,6 @@ class UdpSession:
             self._expire(now)
         n = len(piece)
         entry = frags.get(fid)
-        if entry is not None and off == entry.end and total == entry.total:
-            # the next piece in order of a datagram being put together (nearly every piece):
-            # nothing it could overlap, its total already checked; only its own size and the bytes
-            last = off + n
-            cost = n + PIECE_COST
-            if (n and (last == total or (last < total and n >= FRAG_MIN))
-                    and self._frag_bytes + cost <= self.reassembly_bytes):
-                entry.pieces[off] = piece
-                entry.got += n
-                entry.cost += cost
-                entry.end = last
-                self._frag_bytes += cost
-                if entry.got == total:
-                    self._complete(fid, entry)
-                return
         if (
             total < FRAME.size or off + n > total or not n
             or (off + n < total and n < FRAG_MIN)  # a sender cuts pieces of FRAG_MIN at least
