@@ -50,8 +50,9 @@ costs anyway), a tracked packet in, a packet out, a new flow decided by the real
 rules (egress/acl.py). Alternating rounds, medians.
 
 Metrics: TCP MB/s (iperf3 receiver), UDP packets/s received (1200-byte datagrams,
-unlimited rate, loss reported), and CPU seconds per GiB moved for each node's
-process (utime+stime from /proc).
+unlimited rate, loss reported), CPU seconds per GiB moved for each node's
+process (utime+stime from /proc), and each node process's peak RSS so far (VmHWM, MiB:
+the most it held through that row and the rows before it).
 """
 
 from __future__ import annotations
@@ -70,7 +71,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Metrics, Runner, add_args, git_tree, proc_cpu_seconds, report, selected
+from bench.common import (
+    Metrics,
+    Runner,
+    add_args,
+    git_tree,
+    proc_cpu_seconds,
+    proc_peak_rss_kib,
+    report,
+    selected,
+)
 from tests.system.tun_topology import Topology
 
 GIB = 1 << 30
@@ -225,6 +235,16 @@ class Setup:
                 out[role] = float("nan")
         return out
 
+    def peak_rss(self) -> dict[str, float]:
+        """Each node process's peak RSS so far (VmHWM), MiB."""
+        out = {}
+        for role, pid in self.pids.items():
+            try:
+                out[role] = proc_peak_rss_kib(pid) / 1024
+            except OSError:
+                out[role] = float("nan")
+        return out
+
     def iperf(self, dst_role: str, udp: bool, seconds: float) -> Metrics:
         assert self.topo is not None
         dst = (MESH_DST if self.mesh else KERNEL_DST)[dst_role]
@@ -256,6 +276,8 @@ class Setup:
             moved = s["bytes"]
         for role in before:
             out[f"cpu_s/GiB {role.upper()}"] = (after[role] - before[role]) / (moved / GIB) if moved else 0.0
+        for role, peak in self.peak_rss().items():
+            out[f"peak_MiB {role.upper()}"] = peak
         out["wall_s"] = wall
         return out
 
