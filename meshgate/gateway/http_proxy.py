@@ -169,6 +169,8 @@ class HttpProxyServer(Socks5Server):
 class HttpClient(ClientProtocol):
     """One HTTP proxy client connection: request head, then a dial and the shared relay."""
 
+    splice_bulk = False  # plain forwarding reads what passes; CONNECT stays in Python too
+
     kind = "http_proxy"
     m_clients = CLIENTS
     m_accepted = ACCEPTED

@@ -13,6 +13,11 @@ The upstream is reached only through the asyncio Transport/Protocol
 interface, so a mesh stream that behaves like a transport drops in through
 the dialer.
 
+A relay between two TCP sockets that shows bulk (a read filled the whole read
+buffer) with nothing queued on either side moves to `SpliceRelay`
+(gateway/splice_relay.py): from then on the kernel moves the bytes both ways
+(splice(2) through a pipe), and they no longer pass through Python.
+
 With `socks5.workers` > 1 (gateway/workers.py) the same server runs in worker
 processes too: there a connection whose destination does not leave from this
 host (the dialer raises `HandOver`), and every UDP ASSOCIATE, is handed with
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -32,6 +38,7 @@ from meshgate.buffers import BufferPool
 from meshgate.config import Config, LimitsConfig, User
 from meshgate.egress.dialer import DialError
 from meshgate.gateway import socks5
+from meshgate.gateway.splice_relay import PIPE_SIZE, SpliceRelay
 from meshgate.gateway.udp import UdpAssociation
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY, LocalCounter
@@ -72,6 +79,10 @@ HANDED_OVER = REGISTRY.counter(
     "meshgate_socks5_handed_over_total",
     "SOCKS5 connections a worker process (socks5.workers) passed to the node's process, by outcome",
     ("result",),
+)
+SPLICED = REGISTRY.counter(
+    "meshgate_socks5_spliced_total",
+    "Relays between two TCP sockets handed to the kernel (splice) once they showed bulk",
 )
 _BYTES_IN = BYTES.labels("in")
 _BYTES_OUT = BYTES.labels("out")
@@ -205,6 +216,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
     """
 
     kind = "socks5"
+    splice_bulk = True  # a bulk relay between two sockets may move to SpliceRelay
     m_clients = CLIENTS
     m_accepted = ACCEPTED
     m_refused = REFUSED
@@ -235,6 +247,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self._bytes_out = LocalCounter(self.m_bytes_out, _BYTES_FLUSH)
         # handed over by a worker: the request it read and the bytes the client sent behind it
         self.resume: tuple[socks5.Request, bytes] | None = None
+        self._splice: SpliceRelay | None = None  # the kernel moves this relay's bytes
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -298,16 +311,23 @@ class ClientProtocol(asyncio.BufferedProtocol):
         if self.udp is not None:
             self.udp.close()
             self.udp = None
+        if self._splice is not None:
+            self._splice.close()
+            self._splice = None
         self._bytes_in.flush()
         self._bytes_out.flush()
 
     def abort(self) -> None:
+        if self._splice is not None:
+            self._splice.close()
         if self.transport is not None:
             self.transport.abort()
         if self.upstream is not None:
             self.upstream.abort()
 
     def close(self) -> None:
+        if self._splice is not None:
+            self._splice.close()
         if self.transport is not None:
             self.transport.close()
         if self.upstream is not None:
@@ -327,6 +347,8 @@ class ClientProtocol(asyncio.BufferedProtocol):
             up.write(rb.view[:nbytes])
             if up.get_write_buffer_size():
                 rb.renew()  # the transport may hold a view of it: never reuse
+            elif nbytes == rb.size:
+                self.maybe_splice()  # bulk, and all of it went out: the kernel can take over
             self._active = True
             self._bytes_in.add(nbytes)
             return
@@ -370,12 +392,53 @@ class ClientProtocol(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         # The client reads slower than the upstream sends: stop reading upstream.
-        if self.upstream is not None:
+        if self.upstream is not None and self._splice is None:
             self.upstream.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.upstream is not None and not self.upstream.is_closing():
+        if self.upstream is not None and not self.upstream.is_closing() and self._splice is None:
             self.upstream.resume_reading()
+
+    # ----------------------------------------------------------------- kernel relay
+
+    def maybe_splice(self) -> None:
+        """Hand this relay to the kernel (SpliceRelay) if it is one between two TCP sockets,
+        both directions still open, nothing queued in either transport (so no byte written
+        before can be overtaken), and limits.socks5_write_high_water allows a pipe's worth
+        (PIPE_SIZE) in flight each way. Called after a read that filled the read buffer."""
+        if self._splice is not None or not self.splice_bulk or self.state != _RELAY:
+            return
+        if self.server.limits.socks5_write_high_water < PIPE_SIZE:
+            return  # a pipe holds PIPE_SIZE per direction: more than the configured bound in flight
+        client, up = self.transport, self.upstream
+        if client is None or up is None or self._client_eof or self._upstream_eof:
+            return
+        if client.get_write_buffer_size() or up.get_write_buffer_size():
+            return
+        cs, us = client.get_extra_info("socket"), up.get_extra_info("socket")
+        if cs is None or us is None or cs.type != socket.SOCK_STREAM or us.type != socket.SOCK_STREAM:
+            return
+        try:
+            relay = SpliceRelay(self.loop, cs.fileno(), us.fileno(), self._spliced, self._splice_done)
+        except OSError as e:  # out of descriptors, or no pipes here: the relay stays in Python
+            rlog.debug("splice", "%s: relay for %s stays in Python: %s", self.kind, peer_text(self.peer), e)
+            return
+        client.pause_reading()
+        up.pause_reading()
+        self._splice = relay
+        SPLICED.inc()
+
+    def _spliced(self, direction: int, n: int) -> None:
+        self._active = True
+        (self._bytes_in if direction == 0 else self._bytes_out).add(n)
+
+    def _splice_done(self, error: OSError | None) -> None:
+        self._splice = None
+        if error is not None:
+            rlog.debug("splice-end", "%s: relay for %s ended: %s", self.kind, peer_text(self.peer), error)
+            self.abort()
+        else:
+            self.close()  # both directions ended (each passed on as it came)
 
     # ----------------------------------------------------------------- handshake
 
@@ -612,12 +675,13 @@ class _UpstreamEvents:
     def pause_writing(self) -> None:
         # The destination reads slower than the client sends: stop reading the client.
         t = self.client.transport
-        if t is not None and not t.is_closing():
+        if t is not None and not t.is_closing() and self.client._splice is None:
             t.pause_reading()
 
     def resume_writing(self) -> None:
         t = self.client.transport
-        if t is not None and not t.is_closing() and self.client.state == _RELAY:
+        client = self.client
+        if t is not None and not t.is_closing() and client.state == _RELAY and client._splice is None:
             t.resume_reading()
 
 
@@ -663,6 +727,8 @@ class BufferedUpstream(_UpstreamEvents, asyncio.BufferedProtocol):
             t.write(rb.view[:nbytes])
             if t.get_write_buffer_size():
                 rb.renew()  # the transport may hold a view of it: never reuse
+            elif nbytes == rb.size:
+                client.maybe_splice()
             client._active = True
             client._bytes_out.add(nbytes)
             return
