@@ -10,16 +10,24 @@ it produces are handed to the receiver, whose ACKs go back. Workloads:
   and reassembled (TCP through TUN over udp:// links).
 * `stream`: 16 KiB STREAM_DATA frames on the reliable channel (mesh streams, SOCKS5).
 
+First table: what the AEAD alone costs per 1,414-byte record (one full udp:// packet's
+plaintext), sealing and opening, AES-256-GCM beside ChaCha20-Poly1305.
+
 Variants: `aes` and `chacha` (limits.aes_instructions yes / no on both ends: the
-negotiated suite); with `--ab REF` also `REF` (udp_session as of git REF, ChaCha20-Poly1305
-as it then was), in a child process with REF's package first on sys.path; ratios are then
-against it. Reported: µs of CPU per packet to send (queue + packets_to_send) and to receive
-(receive + the ACKs it sends back), tracemalloc-free (process CPU time, os.times).
+negotiated suite); with `--ab REF` also `REF` (udp_session as of git REF, offering AES where
+REF negotiates it, else ChaCha20-Poly1305 as it then was), in a child process with REF's
+package first on sys.path; ratios are then against it. Reported: µs of CPU per packet to
+send (queue + packets_to_send) and to receive (the ACKs it sends back included), as process
+CPU time; each run in a fresh child process. The receiver gets the packets as UDP GRO reads
+(runs of up to 64 equal-size packets) through `receive_batch`, one call per read as link_udp
+makes it; a REF from before receive_batch gets one `receive` call per packet (its adapter's
+per-packet calls above the session, listener and link, are not counted).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -62,6 +70,7 @@ def measure(workload: str, packets: int, caps: int | None) -> Metrics:
         for p in b.packets_to_send(now):
             a.receive(p, now)
     assert a.established and b.established
+    batch = hasattr(b, "receive_batch")  # a tree from before it: one receive call per packet
     body = bytes(32768) if workload == "tun" else bytes(4) + bytes(16384)
     ftype = DATAGRAM if workload == "tun" else STREAM_DATA
     send_cpu = recv_cpu = 0.0
@@ -72,9 +81,14 @@ def measure(workload: str, packets: int, caps: int | None) -> Metrics:
         for _ in range(8):
             a.send_frame(ftype, 0, 8, 1, 2, body)
         out = a.packets_to_send(now)
+        reads = gro_reads(out) if batch else None
         t1 = clock()
-        for p in out:
-            b.receive(p, now)
+        if reads is not None:
+            for view, n, step in reads:  # what link_udp hands the session: one call per read
+                b.receive_batch(view, n, step, now)
+        else:
+            for p in out:
+                b.receive(p, now)
         acks = b.packets_to_send(now)
         t2 = clock()
         for p in acks:
@@ -90,10 +104,48 @@ def measure(workload: str, packets: int, caps: int | None) -> Metrics:
             "delivered_MB": got[0] / 1e6}
 
 
-def in_child(tree: Path, workload: str, packets: int) -> Metrics:
+def aead_cost(name: str, n: int = 20000) -> Metrics:
+    """µs of CPU to seal and to open one 1,414-byte record with one suite (frames.SendCipher /
+    RecvCipher, as a udp:// link uses them)."""
+    from meshgate.mesh.frames import RECORD, RecvCipher, SendCipher
+    from meshgate.mesh.noise import AES_256_GCM, CHACHA20_POLY1305
+
+    suite = AES_256_GCM if name == "aes" else CHACHA20_POLY1305
+    key, plain = bytes(range(32)), bytes(1414)
+    send, recv = SendCipher(key, suite=suite), RecvCipher(key, suite)
+    clock = time.process_time
+    t0 = clock()
+    records = [send.seal(plain) for _ in range(n)]
+    t1 = clock()
+    for header, ct in records:
+        _, epoch, counter = RECORD.unpack(header)
+        recv.open(header, epoch, counter, memoryview(ct))
+    t2 = clock()
+    return {"seal_us": (t1 - t0) / n * 1e6, "open_us": (t2 - t1) / n * 1e6}
+
+
+def gro_reads(packets: list[bytes]) -> list[tuple[memoryview, int, int]]:
+    """The packets as UDP GRO would deliver them: runs of equal size (the last of a run may be
+    shorter), at most 64 a read, each run one buffer (built before the clock starts)."""
+    reads = []
+    i = 0
+    while i < len(packets):
+        size = len(packets[i])
+        j = i + 1
+        while j < len(packets) and j - i < 64 and len(packets[j - 1]) == size and len(packets[j]) <= size:
+            j += 1
+        buf = b"".join(packets[i:j])
+        reads.append((memoryview(buf), len(buf), size))
+        i = j
+    return reads
+
+
+def in_child(tree: Path, workload: str, packets: int, caps: int) -> Metrics:
+    """One run in a fresh child process whose `meshgate` is the one under `tree` (every variant
+    alike, so the checkout and REF start equal)."""
     code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(ROOT)!r}); "
             "from bench.udp_packets import measure; "
-            f"print(json.dumps(measure({workload!r}, {packets}, None)))")
+            f"print(json.dumps(measure({workload!r}, {packets}, {caps})))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tree)
     result: Metrics = json.loads(r.stdout.strip().splitlines()[-1])
     return result
@@ -108,22 +160,27 @@ def main() -> int:
     from meshgate.mesh.noise import CAP_AES
 
     tree = git_tree(args.ab, tempfile.mkdtemp(prefix="meshgate-bench-udp-")) if args.ab else None
-    runners = []
+    runners: list[Runner] = []
+    r = Runner("AEAD per 1,414-byte record (seal, open)", rounds=args.rounds, baseline="chacha")
+    for name in ("aes", "chacha"):
+        r.add(name, functools.partial(aead_cost, name))
+    r.run()
+    runners.append(r)
     for workload in ("tun", "stream"):
         baseline = args.ab if args.ab else "chacha"
         r = Runner(f"udp session per packet: {workload}", rounds=args.rounds, baseline=baseline)
         variants: list[tuple[str, Any]] = [
-            ("aes", lambda w=workload: measure(w, args.packets, CAP_AES)),
-            ("chacha", lambda w=workload: measure(w, args.packets, 0)),
+            ("aes", lambda w=workload: in_child(ROOT, w, args.packets, CAP_AES)),
+            ("chacha", lambda w=workload: in_child(ROOT, w, args.packets, 0)),
         ]
         if tree is not None:
-            variants.append((args.ab, lambda w=workload: in_child(tree, w, args.packets)))
+            variants.append((args.ab, lambda w=workload: in_child(tree, w, args.packets, CAP_AES)))
         for name, fn in variants:
             if selected(args, name) or name == baseline:
                 r.add(name, fn)
         r.run()
         runners.append(r)
-    report(runners, json_path=args.json, ratio_metrics=["send_us/pkt", "recv_us/pkt"])
+    report(runners, json_path=args.json, ratio_metrics=["send_us/pkt", "recv_us/pkt", "seal_us", "open_us"])
     return 0
 
 
