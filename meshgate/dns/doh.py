@@ -136,14 +136,7 @@ class DohApp:
         """The fast path's hits of this loop tick, added to the counters at once."""
         self._count_armed = False
         assert self.fast is not None
-        hits, cache_hits, rcodes = self.fast.take_counts()
-        if hits:
-            self.stats.queries.inc(hits)
-            for rcode, n in enumerate(rcodes):
-                if n:
-                    self.stats.response(rcode, n)
-            if cache_hits:
-                self.pipeline.cache.count_hits(cache_hits)
+        self.fast.flush_counts(self.stats)
 
     async def _ok_later(self, later: Later) -> Response:
         try:

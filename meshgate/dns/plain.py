@@ -119,15 +119,8 @@ class UdpDnsServer:
             self._general(data, addr, now)
             if self.closed:
                 return
-        if fast is not None and fast.hits:
-            hits, cache_hits, rcodes = fast.take_counts()
-            stats = self.stats
-            stats.queries.inc(hits)
-            for rcode, n in enumerate(rcodes):
-                if n:
-                    stats.response(rcode, n)
-            if cache_hits:
-                self.pipeline.cache.count_hits(cache_hits)
+        if fast is not None:
+            fast.flush_counts(self.stats)
 
     def _general(self, data: bytes, addr: tuple[Any, ...], now: float) -> None:
         res = self.frontend.query(data, now, addr, udp=True)

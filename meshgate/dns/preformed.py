@@ -19,7 +19,7 @@ A stored answer is served only while the general path would give the same bytes:
 Blocked answers are left to the general path (they count per list). The query log, when on,
 sees every question, so the listener then keeps to the general path; so does a DoH listener
 with a per-client rate limit (the UDP listener checks the limit itself on a hit, once a query).
-A hit keeps the cache's LRU order and is counted like a general hit, in batches (`take_counts`).
+A hit keeps the cache's LRU order and is counted like a general hit, in batches (`flush_counts`).
 
 The table is bounded (`limits.dns_fast_path_entries`): full, it is emptied and refilled by what
 is asked next, as the pipeline's memo is.
@@ -32,6 +32,7 @@ import struct
 from meshgate.buffers import Buffer
 from meshgate.dns import wire
 from meshgate.dns.resolver import _NOT_LOCAL, Pipeline, _Blocked
+from meshgate.dns.stats import ListenerStats
 from meshgate.dns.wire import Answer, Query
 
 _U32 = struct.Struct(">I")
@@ -69,10 +70,12 @@ class PreformedAnswers:
         self.max_age = 0
         self._table: dict[bytes, _Entry] = {}
         self._scratch = Buffer(_SCRATCH, 0)
-        # counted on hits, taken in batches by the listener (take_counts)
+        # counted on hits, added to the counters in batches by the listener (flush_counts);
+        # NOERROR is what is left of `hits` after the other rcodes
         self.hits = 0
         self.cache_hits = 0
-        self.rcodes = [0] * 16
+        self.other_hits = 0
+        self.other_rcodes: dict[int, int] = {}
         self._last: _Entry | None = None
 
     def __len__(self) -> int:
@@ -107,7 +110,9 @@ class PreformedAnswers:
         elif not self.udp:
             self.max_age = ans.ttl
         self.hits += 1
-        self.rcodes[e.rcode] += 1
+        if e.rcode:
+            self.other_hits += 1
+            self.other_rcodes[e.rcode] = self.other_rcodes.get(e.rcode, 0) + 1
         self._last = e
         return data[:2] + e.tail
 
@@ -117,7 +122,9 @@ class PreformedAnswers:
         e = self._last
         assert e is not None
         self.hits -= 1
-        self.rcodes[e.rcode] -= 1
+        if e.rcode:
+            self.other_hits -= 1
+            self.other_rcodes[e.rcode] -= 1
         if e.source is _NOT_LOCAL:
             self.cache_hits -= 1
 
@@ -156,12 +163,22 @@ class PreformedAnswers:
             table.clear()
         table[data[2:]] = _Entry(bytes(out), max(age, 0), ans, key, source, offsets)
 
-    def take_counts(self) -> tuple[int, int, list[int]]:
-        """(hits, cache hits, hits by rcode) since the last call, and zero them."""
-        out = (self.hits, self.cache_hits, self.rcodes)
-        self.hits = self.cache_hits = 0
-        self.rcodes = [0] * 16
-        return out
+    def flush_counts(self, stats: ListenerStats) -> None:
+        """Add the hits since the last call to the listener's and the cache's counters."""
+        hits = self.hits
+        if not hits:
+            return
+        stats.queries.inc(hits)
+        if hits > self.other_hits:
+            stats.response(wire.NOERROR, hits - self.other_hits)
+        if self.other_hits:
+            for rcode, n in self.other_rcodes.items():
+                if n:
+                    stats.response(rcode, n)
+            self.other_rcodes.clear()
+        if self.cache_hits:
+            self.pipeline.cache.count_hits(self.cache_hits)
+        self.hits = self.cache_hits = self.other_hits = 0
 
     def clear(self) -> None:
         self._table.clear()
