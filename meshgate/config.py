@@ -217,6 +217,9 @@ class DnsBlocklistConfig:
     # http(s) URLs in lists/allow: one download's deadline and size bound (more: a failure)
     fetch_timeout: float = 30.0
     max_bytes: int = 64 << 20
+    # DNS-rebinding protection: an upstream answer for a name outside every [[dns.route]] and
+    # served suffix that holds a private, loopback or link-local address is answered as blocked
+    rebinding: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -778,7 +781,8 @@ def _read_blocklist(r: _Reader, d: Mapping[str, Any], base: DnsBlocklistConfig) 
     if not isinstance(b, dict):
         r.problem("dns.blocklist", "expected a table [dns.blocklist]")
         return base
-    r.table(b, "dns.blocklist.", ["lists", "allow", "answer", "refresh", "fetch_timeout", "max_bytes"])
+    r.table(b, "dns.blocklist.", ["lists", "allow", "answer", "refresh", "fetch_timeout", "max_bytes",
+                                  "rebinding"])
     cfg = DnsBlocklistConfig(
         lists=r.items(b, "dns.blocklist.", "lists", _list_path) or (),
         allow=r.items(b, "dns.blocklist.", "allow", _list_path) or (),
@@ -786,6 +790,7 @@ def _read_blocklist(r: _Reader, d: Mapping[str, Any], base: DnsBlocklistConfig) 
         refresh=r.value(b, "dns.blocklist.", "refresh", _positive_float, base.refresh),
         fetch_timeout=r.value(b, "dns.blocklist.", "fetch_timeout", _positive_float, base.fetch_timeout),
         max_bytes=r.value(b, "dns.blocklist.", "max_bytes", _positive_int, base.max_bytes),
+        rebinding=r.value(b, "dns.blocklist.", "rebinding", _parse_bool, base.rebinding),
     )
     if cfg.allow and not cfg.lists:
         r.problem("dns.blocklist.lists", "required with dns.blocklist.allow: the lists the allow files"
