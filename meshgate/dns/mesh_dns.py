@@ -27,11 +27,11 @@ import struct
 from collections.abc import Callable, Mapping
 
 from meshgate.dns import wire
+from meshgate.dns.mesh_requests import MeshRequests
 from meshgate.dns.resolver import Frontend, Later, Pipeline, Ready
 from meshgate.dns.routes import RouteTable, UpstreamGroup
 from meshgate.dns.stats import ListenerStats
 from meshgate.dns.upstream import Upstream
-from meshgate.dns.upstream_pool import UpstreamError
 from meshgate.dns.wire import Query
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY
@@ -40,7 +40,6 @@ log = logging.getLogger("meshgate.dns.mesh")
 _rlog = RateLimitedLog(log)
 
 RID = struct.Struct("!I")
-SENDS_PER_TIMEOUT = 3  # a lost datagram costs a third of the timeout, not all of it
 
 _dropped = REGISTRY.counter(
     "meshgate_dns_mesh_dropped_total", "Mesh DNS datagrams not used", ("reason",)
@@ -58,57 +57,23 @@ class MeshDnsClient:
     def __init__(self, send: Send, channel: int, max_pending: int) -> None:
         self.send = send
         self.channel = channel
-        self.max_pending = max_pending
-        self._pending: dict[int, tuple[int, asyncio.Future[bytes]]] = {}
-        self._next = 1
+        self.requests: MeshRequests[bytes] = MeshRequests(max_pending, _dropped.labels, "mesh DNS")
 
     async def exchange(self, node_id: int, query: bytes, timeout: float, url: str) -> bytes:
-        if len(self._pending) >= self.max_pending:
-            _dropped.labels("client_full").inc()
-            raise UpstreamError(f"{url}: {self.max_pending} mesh queries in flight "
-                                "(limits.dns_upstream_max_queries)")
-        rid = self._next
-        while rid in self._pending:
-            rid = rid % 0xFFFFFFFF + 1
-        self._next = rid % 0xFFFFFFFF + 1
-        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = (node_id, fut)
+        rid = self.requests.new_id()
         payload = RID.pack(rid) + query
-        step = timeout / SENDS_PER_TIMEOUT
-        try:
-            for _ in range(SENDS_PER_TIMEOUT):
-                if not self.send(node_id, self.channel, payload):
-                    raise UpstreamError(f"{url}: no mesh route to the node, or its link is congested")
-                try:
-                    return await asyncio.wait_for(asyncio.shield(fut), step)
-                except TimeoutError:
-                    continue
-            raise TimeoutError
-        finally:
-            del self._pending[rid]
-            fut.cancel()
+        return await self.requests.ask(node_id, rid, lambda: self.send(node_id, self.channel, payload),
+                                       timeout, url)
 
     def on_answer(self, src: int, payload: bytes) -> None:
         if len(payload) < RID.size + 12:
             _dropped.labels("malformed").inc()
             _rlog.debug(f"mesh-dns-short:{src}", "mesh DNS: short answer from %08x", src)
             return
-        entry = self._pending.get(RID.unpack_from(payload)[0])
-        if entry is None:
-            _dropped.labels("stray").inc()  # late (after a resend was answered) or never asked
-            return
-        node_id, fut = entry
-        if node_id != src:
-            _dropped.labels("wrong_source").inc()
-            _rlog.debug(f"mesh-dns-src:{src}", "mesh DNS: answer from %08x to a query sent to %08x",
-                        src, node_id)
-            return
-        if not fut.done():
-            fut.set_result(payload[RID.size:])
+        self.requests.answer(src, RID.unpack_from(payload)[0], payload[RID.size:])
 
     def close(self) -> None:
-        for _, fut in self._pending.values():
-            fut.cancel()
+        self.requests.close()
 
 
 class MeshDnsUpstream(Upstream):

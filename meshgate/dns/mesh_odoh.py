@@ -41,6 +41,7 @@ from urllib.parse import parse_qs
 from meshgate.buffers import Buffer
 from meshgate.config import DnsListenerConfig, HostPort, LimitsConfig
 from meshgate.dns import odoh
+from meshgate.dns.mesh_requests import MeshRequests
 from meshgate.dns.odoh_client import padding_for
 from meshgate.dns.odoh_target import OdohTarget
 from meshgate.dns.resolver import Pipeline
@@ -64,7 +65,6 @@ ERRORS = {NOT_TARGET: "the node is no ODoH target (dns.mesh_odoh_target)",
           UNKNOWN_KEY: "the target no longer has that key", UNDECRYPTABLE: "the target could not open it",
           NO_ROUTE: "the proxy has no route to the target", BUSY: "too many questions in flight",
           FAILED: "the target failed to answer"}
-SENDS_PER_TIMEOUT = 3
 CONFIG_TTL = 3600.0  # a config is asked again after this (or at once when the target lost its key)
 
 _dropped = REGISTRY.counter(
@@ -96,11 +96,11 @@ class MeshOdoh:
         self.timeout = limits.dns_timeout
         self.max_proxied = limits.dns_max_inflight
         self.target: OdohTarget | None = None
-        self._pending: dict[int, tuple[int, asyncio.Future[tuple[int, bytes]]]] = {}
+        self.requests: MeshRequests[tuple[int, bytes]] = MeshRequests(self.max_proxied, _dropped.labels,
+                                                                       "mesh ODoH")
         # the proxy's own request id -> (asker, its request id, target, deadline), oldest first
         self._proxied: OrderedDict[int, tuple[int, int, int, float]] = OrderedDict()
         self._configs: dict[int, tuple[odoh.ObliviousDoHConfigContents, float]] = {}
-        self._next = 1
         self._tasks: set[asyncio.Task[Any]] = set()
         self._rotation: asyncio.TimerHandle | None = None
 
@@ -121,13 +121,6 @@ class MeshOdoh:
             self.target.rotate()
             self._schedule_rotation(period)
         self._rotation = asyncio.get_running_loop().call_later(period, rotate)
-
-    def _id(self) -> int:
-        rid = self._next
-        while rid in self._pending or rid in self._proxied:
-            rid = rid % 0xFFFFFFFF + 1
-        self._next = rid % 0xFFFFFFFF + 1
-        return rid
 
     # ------------------------------------------------------------ asking
 
@@ -177,29 +170,10 @@ class MeshOdoh:
 
     async def _request(self, node: int, kind: int, body: bytes, deadline: float,
                        url: str) -> tuple[int, bytes]:
-        loop = asyncio.get_running_loop()
-        if len(self._pending) >= self.max_proxied:
-            _dropped.labels("client_full").inc()
-            raise UpstreamError(f"{url}: {self.max_proxied} mesh ODoH questions in flight")
-        rid = self._id()
-        fut: asyncio.Future[tuple[int, bytes]] = loop.create_future()
-        self._pending[rid] = (node, fut)
+        rid = self.requests.new_id(self._proxied)
         payload = HEAD.pack(kind, rid) + body
-        try:
-            for i in range(SENDS_PER_TIMEOUT):
-                left = deadline - loop.time()
-                if left <= 0:
-                    break
-                if not self.send(node, payload):
-                    raise UpstreamError(f"{url}: no mesh route to {node:08x}, or its link is congested")
-                try:
-                    return await asyncio.wait_for(asyncio.shield(fut), left / (SENDS_PER_TIMEOUT - i))
-                except TimeoutError:
-                    continue
-            raise TimeoutError
-        finally:
-            del self._pending[rid]
-            fut.cancel()
+        left = deadline - asyncio.get_running_loop().time()
+        return await self.requests.ask(node, rid, lambda: self.send(node, payload), left, url)
 
     # ------------------------------------------------------------ the mesh's messages
 
@@ -232,18 +206,7 @@ class MeshOdoh:
             _dropped.labels("unsent").inc()
 
     def _answered(self, src: int, kind: int, rid: int, body: bytes) -> None:
-        entry = self._pending.get(rid)
-        if entry is None:
-            _dropped.labels("stray").inc()  # late (a resend was answered) or never asked
-            return
-        node, fut = entry
-        if node != src:
-            _dropped.labels("wrong_source").inc()
-            _rlog.debug(f"odoh-mesh-src:{src}", "mesh ODoH: answer from %08x to a request sent to %08x",
-                        src, node)
-            return
-        if not fut.done():
-            fut.set_result((kind, body))
+        self.requests.answer(src, rid, (kind, body))
 
     def _proxy_query(self, src: int, rid: int, body: bytes) -> None:
         if not self.proxy:
@@ -261,7 +224,7 @@ class MeshOdoh:
             _dropped.labels("proxy_full").inc()
             self._reply(src, ERROR, rid, CODE.pack(BUSY))
             return
-        pid = self._id()
+        pid = self.requests.new_id(self._proxied)
         # The proxy forwards the sealed query as it came: it holds no key to read it.
         if not self.send(target, HEAD.pack(TARGET_QUERY, pid) + body[NODE.size:]):
             self._reply(src, ERROR, rid, CODE.pack(NO_ROUTE))
@@ -318,8 +281,7 @@ class MeshOdoh:
             self._rotation.cancel()
         for t in list(self._tasks):
             t.cancel()
-        for _, fut in self._pending.values():
-            fut.cancel()
+        self.requests.close()
         if self.target is not None:
             self.target.close()
 
