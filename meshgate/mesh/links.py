@@ -81,6 +81,7 @@ class LinkBase:
         # loop time of the last PING from the peer that carried its RTT of this link: such a
         # peer keeps the link's pings going itself (MeshService._tick)
         self.peer_pinged = -1e9
+        self.up_at = 0.0  # loop time the owner took the link up (its HELLO checked)
         self.bytes_in = 0
         self.bytes_out = 0
         self.bytes_reported = (0, 0)

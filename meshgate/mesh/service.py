@@ -118,7 +118,15 @@ OPEN_TIMEOUT = 10.0
 DRAIN_GIVE_UP = 1.0  # a stream moving paths waits this long for its peer to return its credit
 EXPIRY_CHECK_TICKS = 10  # ping intervals between checks for certificates that expired
 MIN_BUILD_INTERVAL = 0.05  # seconds between route builds while records keep changing
+MAX_BUILD_INTERVAL = 1.0  # ... and at most this, however long the last one took
 ORIGINATE_DELAY = 0.05  # coalesce changes of the own record made within this time
+# A version that only adds links (or moves latencies) waits, polling every ORIGINATE_DELAY,
+# until the new links have their first RTT (at most FIRST_RTT_WAIT after they came up) and
+# ORIGINATE_GAP after the previous version: a node whose links come up one by one (a mesh
+# forming) makes one or two versions, not one per link plus one per first RTT; each
+# costs every node a signature check and a route build. A lost link goes at once.
+FIRST_RTT_WAIT = 1.0
+ORIGINATE_GAP = 0.5
 # A neighbour's smoothed latency is re-originated when it moved from what the own
 # record says by more than LATENCY_CHANGE of it, LATENCY_FLOOR_US and LATENCY_JITTER
 # times the link's own jitter (a version floods to every node, each checking its
@@ -500,6 +508,7 @@ class MeshService:
         if self.traversal is not None:
             self.traversal.link_up(link)
         links.append(link)
+        link.up_at = self.loop.time()
         _links_gauge.inc()
         log.info("mesh link up: %s (%s %08x)", link.url, peer.name, peer.node_id)
         if first:
@@ -556,8 +565,17 @@ class MeshService:
         if self._originate_timer is None and self.loop is not None:
             self._originate_timer = self.loop.call_later(ORIGINATE_DELAY, self._originate)
 
-    def _originate(self) -> None:
+    def _originate(self, wait: bool = True) -> None:
         self._originate_timer = None
+        now = self.loop.time()
+        if wait and not any(nid not in self.links for nid, _ in self.table.local.neighbours):
+            unmeasured = any(
+                link.rtt_samples == 0 and now - link.up_at < FIRST_RTT_WAIT
+                for links in self.links.values() for link in links
+            )
+            if unmeasured or now - self._last_originated < ORIGINATE_GAP:
+                self._originate_timer = self.loop.call_later(ORIGINATE_DELAY, self._originate)
+                return
         neighbours = []
         for nid in self.links:
             best = self._best_link(nid)
@@ -812,14 +830,17 @@ class MeshService:
             self._build(self.loop.time())
 
     def _build(self, now: float) -> None:
-        t0 = time.perf_counter()
+        # the CPU the build took, not the wall time: on a busy host a build the scheduler
+        # paused would hold every later record back (each hop of a flood waits for a build)
+        t0 = time.thread_time()
         # received records are checked (signatures) here, so a burst's superseded versions
         # are never checked, and the interval below bounds the CPU both take together
         if self.table.settle():
             self._schedule_sync()  # flood what was stored
         self.table.build()
         self._last_build = now
-        self._build_interval = max(MIN_BUILD_INTERVAL, 10 * (time.perf_counter() - t0))
+        took = time.thread_time() - t0
+        self._build_interval = min(MAX_BUILD_INTERVAL, max(MIN_BUILD_INTERVAL, 10 * took))
         self.table.mark_unreachable(now)
         reachable = set(self.table.hop_paths)
         records = self.table.records
@@ -1037,7 +1058,7 @@ class MeshService:
             # the own record still names it: re-originate and rebuild now, so this frame takes
             # the route there is (through a relay) instead of failing for ORIGINATE_DELAY
             self._originate_timer.cancel()
-            self._originate()
+            self._originate(wait=False)
             self._build(self.loop.time())
             nh = self._next_hop(dst, flags)
             link = self._best_link(nh) if nh is not None else None
