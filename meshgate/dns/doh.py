@@ -122,12 +122,13 @@ class DohApp:
                     self._count_armed = True
                     self.loop.call_soon(self._count)
                 return self._ok(out, fast.max_age)
-        res = self.frontend.query(msg, now, current_peer.get())
+        fe = self.frontend
+        fe.answered = None
+        res = fe.query(msg, now, current_peer.get())
         if isinstance(res, Ready):
-            ok = self._ok(res.buffer, res.max_age)
-            if fast is not None:
-                fast.learn(msg, now)
-            return ok
+            if fast is not None and fe.answered is not None:
+                fast.learn(msg, now, fe.answered, res.buffer.view())
+            return self._ok(res.buffer, res.max_age)
         if res is None:
             return _error(400, "not a DNS query\n")
         return self._ok_later(res)

@@ -123,11 +123,13 @@ class UdpDnsServer:
             fast.flush_counts(self.stats)
 
     def _general(self, data: bytes, addr: tuple[Any, ...], now: float) -> None:
-        res = self.frontend.query(data, now, addr, udp=True)
+        fe = self.frontend
+        fe.answered = None
+        res = fe.query(data, now, addr, udp=True)
         if isinstance(res, Ready):
+            if self.fast is not None and fe.answered is not None:
+                self.fast.learn(data, now, fe.answered, res.buffer.view())
             self._send(res.buffer, addr)
-            if self.fast is not None:
-                self.fast.learn(data, now)
         elif res is not None:
             res.then(lambda ready: self._send(ready.buffer, addr) if ready is not None else None)
 

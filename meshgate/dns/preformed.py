@@ -4,7 +4,7 @@ The general path (resolver.Frontend) parses every query, looks it up and packs t
 UDP (and likewise for DoH, `udp=False`) the answer is a function of the query's bytes after its
 ID (flags, question with its letter case, EDNS size, DO bit and options) and of the Answer it
 comes from, aged to the second. So once the general path has answered a query from the cache or
-from local data, `learn()` packs the same answer once more and stores it under those bytes;
+from local data, `learn()` keeps the bytes it sent under the query's bytes;
 `answer()` then serves a repeat of that query with a dictionary look-up: the stored bytes behind
 the new ID, the TTLs re-patched when the age moved to another second. Nothing is parsed on a hit.
 
@@ -29,20 +29,12 @@ from __future__ import annotations
 
 import struct
 
-from meshgate.buffers import Buffer
 from meshgate.dns import wire
 from meshgate.dns.resolver import _NOT_LOCAL, Pipeline, _Blocked
 from meshgate.dns.stats import ListenerStats
 from meshgate.dns.wire import Answer, Query
 
 _U32 = struct.Struct(">I")
-_SCRATCH = 4096 + 512  # one packing buffer: a UDP answer is at most OUR_UDP_SIZE, TC'd beyond
-
-
-def udp_limit(q: Query) -> int:
-    """The size a UDP answer to `q` may have: the client's EDNS size capped to avoid
-    fragmentation (DNS flag day 2020), 512 without EDNS (what Frontend.query applies)."""
-    return min(q.udp_size, wire.OUR_UDP_SIZE) if q.edns else 512
 
 
 class _Entry:
@@ -55,13 +47,13 @@ class _Entry:
         self.ans = ans
         self.key = key
         self.source = source  # what the pipeline's memo held for `key` (_NOT_LOCAL: the cache)
-        self.offsets = offsets  # TTL offsets in `tail` (none when the answer was truncated)
+        self.offsets = offsets  # TTL offsets in the answer, 2 past those in `tail` (none: truncated)
         self.rcode = ans.rcode
 
 
 class PreformedAnswers:
-    """`udp`: answers sized for UDP (the client's EDNS size, TC beyond it); False: for DoH (never
-    truncated; `max_age` then holds the remaining TTL of the answer just given, cache-control's)."""
+    """`udp` False (DoH): `max_age` holds the remaining TTL of the answer just given (what
+    pack_answer returns: cache-control's)."""
 
     def __init__(self, pipeline: Pipeline, size: int, *, udp: bool = True) -> None:
         self.pipeline = pipeline
@@ -69,7 +61,7 @@ class PreformedAnswers:
         self.udp = udp
         self.max_age = 0
         self._table: dict[bytes, _Entry] = {}
-        self._scratch = Buffer(_SCRATCH, 0)
+        self._seen: set[bytes] = set()  # answered once by the general path (bounded like the table)
         # counted on hits, added to the counters in batches by the listener (flush_counts);
         # NOERROR is what is left of `hits` after the other rcodes
         self.hits = 0
@@ -102,7 +94,7 @@ class PreformedAnswers:
             if age != e.age and age > 0:
                 patched = bytearray(e.tail)
                 for off, ttl in zip(e.offsets, ans.ttls, strict=False):
-                    _U32.pack_into(patched, off, ttl - age if ttl > age else 0)
+                    _U32.pack_into(patched, off - 2, ttl - age if ttl > age else 0)
                 e.tail = bytes(patched)
                 e.age = age
             if not self.udp:  # what pack_answer returns
@@ -128,14 +120,19 @@ class PreformedAnswers:
         if e.source is _NOT_LOCAL:
             self.cache_hits -= 1
 
-    def learn(self, data: bytes, now: float) -> None:
-        """After the general path answered `data` at once: store its answer if it came from the
-        cache or from local data (not blocked), packed exactly as the general path packs it."""
-        if len(data) < 12 or self.size <= 0:
-            return
-        try:
-            q = wire.parse_query(data)
-        except (wire.WireError, wire.FormError):
+    def learn(self, data: bytes, now: float, q: Query, packed: bytes | memoryview) -> None:
+        """After the general path answered `data` at once with `packed`, from lookup() for `q`
+        (Frontend.answered): store it if it came from the cache or from local data (not
+        blocked). Those are the bytes a repeat gets (behind its own ID), so nothing is parsed or
+        packed again here. A query is stored the second time it is answered: clients that
+        randomize the letter case of every name (0x20) never repeat one, and pay only this
+        look-up for it."""
+        tail = data[2:]
+        seen = self._seen
+        if tail not in seen:
+            if len(seen) >= self.size:
+                seen.clear()
+            seen.add(tail)
             return
         p = self.pipeline
         key = (q.name, q.qtype, q.qclass)
@@ -143,25 +140,19 @@ class PreformedAnswers:
         if source is None or type(source) is _Blocked or now >= p._memo_until:
             return
         if source is _NOT_LOCAL:
-            ans = p.cache.entries.get(key)
-            if ans is None or now - ans.stored >= ans.ttl:
+            ans = p.cache.entries.get(key)  # what the general path just served (unexpired)
+            if ans is None:
                 return
         else:
             ans = source
-        buf = self._scratch
-        if wire.packed_size(ans, q, q.padding) > buf.capacity:
-            return
-        limit = udp_limit(q) if self.udp else wire.MAX_MESSAGE
-        wire.pack_answer(buf, ans, q, now, limit=limit, pad=q.padding)
-        out = buf.data[buf.start + 2 : buf.start + buf.length]
         # TTLs sit where they sit in ans.wire (the question is the client's, of the same length);
         # a truncated answer (header, question, OPT) has none.
-        offsets = tuple(o - 2 for o in ans.ttl_offsets) if buf.length >= len(ans.wire) else ()
+        offsets = ans.ttl_offsets if len(packed) >= len(ans.wire) else ()
         age = int(now - ans.stored) if ans.aging else 0
         table = self._table
         if len(table) >= self.size:
             table.clear()
-        table[data[2:]] = _Entry(bytes(out), max(age, 0), ans, key, source, offsets)
+        table[tail] = _Entry(bytes(packed[2:]), max(age, 0), ans, key, source, offsets)
 
     def flush_counts(self, stats: ListenerStats) -> None:
         """Add the hits since the last call to the listener's and the cache's counters."""
@@ -182,3 +173,4 @@ class PreformedAnswers:
 
     def clear(self) -> None:
         self._table.clear()
+        self._seen.clear()

@@ -566,6 +566,8 @@ class Frontend:
         self.limiter = limiter  # the listener's per-client rate limit (dns/ratelimit.py), if on
         self.tasks: set[asyncio.Task[Ready | None]] = set()
         self.ready = Ready(Buffer(0, 0), 0)  # the shared result of every immediate answer
+        # the query of the last answer lookup() gave (the fast path learns from it: dns/preformed.py)
+        self.answered: Query | None = None
 
     def query(self, data: bytes | bytearray | memoryview, now: float, peer: object, *,
               limit: int | None = None, pad: bool = False,
@@ -602,6 +604,7 @@ class Frontend:
         pipeline = self.pipeline
         ans = pipeline.lookup(q, now)
         if ans is not None:
+            self.answered = q
             ready = self._pack(ans, q, now, lim, pad, self.ready)
             if pipeline.query_log is not None:
                 loop_now = asyncio.get_running_loop().time()

@@ -107,10 +107,13 @@ def queries(draw: st.DrawFn) -> bytes:
     return struct.pack(">HHHHH", flags, 1, 0, 0, 1 if opt else 0) + question + opt
 
 
-def _general(fe: Frontend, data: bytes, now: float, udp: bool = True) -> bytes | None:
-    """The general path's answer now (as the UDP listener asks, or DoH: `udp` False); None when
-    it has none at once (dropped, or the question goes upstream: these pipelines have no
-    upstream, so that is abandoned). DoH's max-age is left in MAX_AGE."""
+def _general(fe: Frontend, data: bytes, now: float, udp: bool = True,
+             fast: PreformedAnswers | None = None) -> bytes | None:
+    """The general path's answer now (as the UDP listener asks, or DoH: `udp` False), which
+    teaches `fast` as the listeners do; None when it has none at once (dropped, or the question
+    goes upstream: these pipelines have no upstream, so that is abandoned). DoH's max-age is
+    left in MAX_AGE."""
+    fe.answered = None
     res = fe.query(data, now, PEER, udp=udp)
     if res is None:
         return None
@@ -118,12 +121,20 @@ def _general(fe: Frontend, data: bytes, now: float, udp: bool = True) -> bytes |
         res.abandon()
         return None
     out = res.buffer.tobytes()
+    if fast is not None and fe.answered is not None:
+        fast.learn(data, now, fe.answered, out)
     MAX_AGE[0] = res.max_age
     res.buffer.recycle()
     return out
 
 
 MAX_AGE = [0]
+
+
+def _teach(fe: Frontend, fast: PreformedAnswers, data: bytes, now: float) -> bytes | None:
+    """Answer `data` by the general path twice: the table stores a query the second time."""
+    _general(fe, data, now, fast=fast)
+    return _general(fe, data, now, fast=fast)
 
 
 def _in_loop(body: Callable[[], Awaitable[None]]) -> None:
@@ -172,9 +183,7 @@ def test_fast_path_answers_as_the_general_path(asked: list[bytes], steps: list[t
             max_age = MAX_AGE[0]
             out = fast.answer(data, now)
             if out is None:  # what the listener does: the general path, which teaches the table
-                got = _general(fe, data, now, udp)
-                if got is not None:
-                    fast.learn(data, now)
+                got = _general(fe, data, now, udp, fast)
                 assert got == expected
                 continue
             assert out == expected, (data.hex(), out.hex(), expected)
@@ -194,8 +203,7 @@ def test_a_repeated_query_is_served_from_the_table_and_counted() -> None:
     q = dns.message.make_query("five.example.", "A", use_edns=0)
     data = q.to_wire()
     assert fast.answer(data, T0) is None
-    assert _general(fe, data, T0) is not None
-    fast.learn(data, T0)
+    assert _teach(fe, fast, data, T0) is not None
     q.id = 4242
     out = fast.answer(q.to_wire(), T0 + 0.2)
     assert out is not None and dns.message.from_wire(out).id == 4242
@@ -218,27 +226,23 @@ def test_changes_to_local_data_and_the_cache_take_effect_at_once() -> None:
     fe = Frontend(p, ListenerStats("udp://change"))
     fast = PreformedAnswers(p, 64)
     data = dns.message.make_query("one.example.", "A").to_wire()
-    _general(fe, data, T0)
-    fast.learn(data, T0)
+    _teach(fe, fast, data, T0)
     assert fast.answer(data, T0) is not None
     # dns.records now names it (a reload): local data wins over the cache
     p.set_records((("one.example.", "10.9.9.9"),))
     assert fast.answer(data, T0) is None
-    out = _general(fe, data, T0)
+    out = _teach(fe, fast, data, T0)
     assert out is not None and "10.9.9.9" in dns.message.from_wire(out).to_text()
-    fast.learn(data, T0)
     p.set_records(())
     assert fast.answer(data, T0) is None
-    _general(fe, data, T0)
-    fast.learn(data, T0)
+    _teach(fe, fast, data, T0)
     assert fast.answer(data, T0) is not None
     # the cache entry replaced (a reload's new upstreams empty it): never the old bytes
     p.cache.clear()
     assert fast.answer(data, T0) is None
     # a blocklist decision is never served from the table
     blocked = dns.message.make_query("ads.blocked.example.", "A").to_wire()
-    _general(fe, blocked, T0)
-    fast.learn(blocked, T0)
+    _teach(fe, fast, blocked, T0)
     assert fast.answer(blocked, T0) is None and len(fast) == 1
 
 
@@ -249,8 +253,7 @@ def test_the_table_is_bounded() -> None:
     for i in range(50):
         q = dns.message.make_query("one.example.", "A", use_edns=0, payload=600 + i)
         data = q.to_wire()
-        _general(fe, data, T0)
-        fast.learn(data, T0)
+        _teach(fe, fast, data, T0)
         assert len(fast) <= 8
 
 
@@ -259,8 +262,7 @@ def test_an_expired_cache_answer_is_not_served() -> None:
     fe = Frontend(p, ListenerStats("udp://expiry"))
     fast = PreformedAnswers(p, 64)
     data = dns.message.make_query("short.example.", "A").to_wire()
-    _general(fe, data, T0 + 1.5)  # the memo's second runs to T0 + 2.5
-    fast.learn(data, T0 + 1.5)
+    _teach(fe, fast, data, T0 + 1.5)  # the memo's second runs to T0 + 2.5
     assert fast.answer(data, T0 + 1.9) is not None
     assert fast.answer(data, T0 + 2.0) is None  # stored at T0 with TTL 2
 
@@ -275,8 +277,7 @@ def test_a_blocklist_change_is_seen_within_the_memo_second(tmp_path: Path) -> No
     fe = Frontend(p, ListenerStats("udp://epoch"))
     fast = PreformedAnswers(p, 64)
     data = dns.message.make_query("one.example.", "A").to_wire()
-    assert _general(fe, data, T0) is not None
-    fast.learn(data, T0)
+    assert _teach(fe, fast, data, T0) is not None
     assert fast.answer(data, T0 + 0.5) is not None
     lst.write_text("one.example\n")
     assert fast.answer(data, T0 + 1.0) is None
