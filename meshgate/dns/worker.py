@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import pickle
@@ -24,18 +23,19 @@ from meshgate.config import Config
 from meshgate.dns.resolver import NameTable, Pipeline, upstream_spans
 from meshgate.dns.service import DnsService
 from meshgate.dns.upstream import Upstream
-from meshgate.dns.worker_pool import (
-    _HEAD,
-    _ID,
+from meshgate.dns.worker_pool import _ID, decode_names
+from meshgate.errors import StartupError
+from meshgate.loop import new_loop
+from meshgate.workerproc import (
+    HEAD,
     MAX_FRAME,
     REPORT_INTERVAL,
     counter_snapshot,
-    decode_names,
+    die_with_parent,
     frame,
     read_frame,
+    recv_exact,
 )
-from meshgate.errors import StartupError
-from meshgate.loop import new_loop
 
 
 class ParentUpstream(Upstream):
@@ -79,22 +79,6 @@ class ParentUpstream(Upstream):
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(OSError("worker stopping"))
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise EOFError("control socket closed")
-        out += chunk
-    return bytes(out)
 
 
 async def _serve(sock: socket.socket, config: Config, index: int) -> int:
@@ -155,15 +139,15 @@ async def _serve(sock: socket.socket, config: Config, index: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; main stops us
     sock = socket.socket(fileno=int(argv[0]))
     try:
-        n, _kind = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
+        n, _kind = HEAD.unpack(recv_exact(sock, HEAD.size))
         if n > MAX_FRAME:
             return 1
         # Trusted: our parent wrote it into a socketpair only the two processes hold.
-        setup = pickle.loads(_recv_exact(sock, n))
+        setup = pickle.loads(recv_exact(sock, n))
     except EOFError:
         return 1
     if os.getppid() != setup["parent"]:

@@ -60,17 +60,15 @@ from meshgate.dns import wire
 from meshgate.dns.resolver import Names, NameTable, Pipeline
 from meshgate.errors import StartupError
 from meshgate.metrics import REGISTRY
+from meshgate.workerproc import REPORT_INTERVAL, SECRET_ENV, CounterMerge, frame, read_frame
 
 log = logging.getLogger("meshgate.dns.worker")
 
-REPORT_INTERVAL = 1.0
 READY_TIMEOUT = 20.0
 STOP_TIMEOUT = 3.0
 RESTART_BACKOFF = 0.2
 RESTART_BACKOFF_MAX = 30.0
 STABLE_AFTER = 60.0  # a worker that ran this long before exiting restarts with the shortest backoff
-MAX_FRAME = 16 << 20
-_HEAD = struct.Struct("!IB")
 _ID = struct.Struct("!I")
 
 _worker_queries = REGISTRY.counter(
@@ -90,22 +88,6 @@ _QUERIES = "meshgate_dns_queries_total"
 # --------------------------------------------------------------------------- control frames
 
 
-def frame(kind: bytes, payload: bytes) -> bytes:
-    return _HEAD.pack(len(payload), kind[0]) + payload
-
-
-async def read_frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
-    """The next frame, or None at EOF (the other process is gone)."""
-    try:
-        head = await reader.readexactly(_HEAD.size)
-        n, kind = _HEAD.unpack(head)
-        if n > MAX_FRAME:
-            raise ValueError(f"control frame of {n} bytes")
-        return bytes((kind,)), await reader.readexactly(n)
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-
-
 def encode_names(table: NameTable) -> bytes:
     return json.dumps({k: [str(v4) if v4 else None, str(v6) if v6 else None]
                        for k, (v4, v6) in table.items()}, sort_keys=True).encode()
@@ -117,48 +99,9 @@ def decode_names(payload: bytes) -> NameTable:
             for k, (v4, v6) in raw.items()}
 
 
-def counter_snapshot() -> bytes:
-    rows = []
-    for fam in REGISTRY.counter_families():
-        for values, c in fam.children():
-            if c.value:
-                rows.append([fam.name, fam.help, list(fam.labelnames), list(values), c.value])
-    return json.dumps(rows).encode()
-
-
-# Environment variables that carry secrets (config.py reads them); never passed to workers.
-SECRET_ENV = ("MESHGATE_SECRET", "MESHGATE_ADMIN_TOKEN")
-
-class CounterMerge:
-    """Adds one worker's reported counters (absolute, since it started) to this process's families."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.last: dict[tuple[str, tuple[str, ...]], int] = {}
-        self.queries: dict[str, int] = {}  # by listener, over every incarnation of this worker
-
-    def restarted(self) -> None:
-        self.last.clear()  # a new process counts from zero
-
-    def apply(self, payload: bytes) -> None:
-        new_queries = 0
-        for name, help_, labelnames, values, value in json.loads(payload):
-            values = [str(v) for v in values]
-            key = (name, tuple(values))
-            delta = int(value) - self.last.get(key, 0)
-            if delta <= 0:
-                continue
-            self.last[key] = int(value)
-            try:
-                REGISTRY.counter(name, help_, tuple(labelnames)).labels(*values).inc(delta)
-            except ValueError as e:  # a name this process registered differently: skip that one
-                log.warning("dns worker %d: cannot merge counter %s%s: %s", self.index, name, values, e)
-                continue
-            if name == _QUERIES and values:
-                new_queries += delta
-                self.queries[values[0]] = self.queries.get(values[0], 0) + delta
-        if new_queries:
-            _worker_queries.labels(str(self.index)).inc(new_queries)
+def counter_merge(index: int) -> CounterMerge:
+    """A DNS worker's counter merge: its queries also counted per listener and per worker."""
+    return CounterMerge(index, _QUERIES, _worker_queries.labels(str(index)).inc)
 
 
 # --------------------------------------------------------------------------- main process side
@@ -197,7 +140,7 @@ class WorkerPool:
         self.changed = changed  # the main process's own pipeline forgets memoised names too
         self.answer = answer  # a worker's upstream query -> the response (b"" = failed)
         self._asks: set[asyncio.Task[None]] = set()
-        self.workers = [_Worker(i, CounterMerge(i)) for i in range(1, count)]
+        self.workers = [_Worker(i, counter_merge(i)) for i in range(1, count)]
         self.stopping = False
         self.started = False  # every worker reported ready once; from then on exits mean restarts
         self._names_payload = b""

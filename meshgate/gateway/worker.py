@@ -27,8 +27,6 @@ from typing import Any
 from meshgate import logs, replies
 from meshgate.buffers import BufferPool
 from meshgate.config import Config
-from meshgate.dns.worker import _die_with_parent, _recv_exact
-from meshgate.dns.worker_pool import _HEAD, MAX_FRAME, REPORT_INTERVAL, counter_snapshot, frame, read_frame
 from meshgate.egress.dialer import Dialer, DialError, IPAddress, _is_ip_literal
 from meshgate.errors import StartupError
 from meshgate.gateway import socks5
@@ -36,6 +34,16 @@ from meshgate.gateway.server import ClientProtocol, HandOver, Socks5Server
 from meshgate.gateway.workers import ANSWER, LOCAL, MAX_HANDOVER, MESH, QUESTION, REFUSE, encode_handover
 from meshgate.loop import new_loop
 from meshgate.metrics import REGISTRY
+from meshgate.workerproc import (
+    HEAD,
+    MAX_FRAME,
+    REPORT_INTERVAL,
+    counter_snapshot,
+    die_with_parent,
+    frame,
+    read_frame,
+    recv_exact,
+)
 
 _ROUTED = REGISTRY.counter(
     "meshgate_socks5_worker_requests_total",
@@ -198,17 +206,17 @@ async def _serve(sock: socket.socket, hand: socket.socket, config: Config, index
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the node stops us
     sock = socket.socket(fileno=int(argv[0]))
     hand = socket.socket(fileno=int(argv[1]))
     hand.setblocking(False)
     try:
-        n, _kind = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
+        n, _kind = HEAD.unpack(recv_exact(sock, HEAD.size))
         if n > MAX_FRAME:
             return 1
         # Trusted: our parent wrote it into a socketpair only the two processes hold.
-        setup = pickle.loads(_recv_exact(sock, n))
+        setup = pickle.loads(recv_exact(sock, n))
     except EOFError:
         return 1
     if os.getppid() != setup["parent"]:

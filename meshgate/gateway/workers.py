@@ -68,6 +68,7 @@ from meshgate.gateway import socks5
 from meshgate.gateway.server import HANDED_OVER, Socks5Server
 from meshgate.logs import RateLimitedLog
 from meshgate.policy import in_any
+from meshgate.workerproc import SECRET_ENV, CounterMerge, frame, read_frame
 
 log = logging.getLogger("meshgate.gateway.workers")
 _rlog = RateLimitedLog(log)

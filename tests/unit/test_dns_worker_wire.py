@@ -1,5 +1,6 @@
-"""The DNS worker control channel's pieces without processes: frames, name tables, counter merging,
-and the `dns.workers` config key."""
+"""The worker control channel's pieces without processes (meshgate/workerproc.py, shared by the DNS
+and SOCKS5 workers; dns/worker_pool.py's name tables and DNS counter merge): frames, name tables,
+counter merging, and the `dns.workers` config key."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import json
 
 import pytest
 
+from meshgate import workerproc as worker
 from meshgate.config import ConfigError, from_dict
-from meshgate.dns import worker_pool as worker
+from meshgate.dns import worker_pool
 from meshgate.metrics import REGISTRY
 
 
@@ -26,7 +28,7 @@ async def test_frames_round_trip_and_eof_is_none() -> None:
 
 async def test_an_oversized_frame_is_refused() -> None:
     r = asyncio.StreamReader()
-    r.feed_data(worker._HEAD.pack(worker.MAX_FRAME + 1, ord("M")))
+    r.feed_data(worker.HEAD.pack(worker.MAX_FRAME + 1, ord("M")))
     with pytest.raises(ValueError):
         await worker.read_frame(r)
 
@@ -34,14 +36,14 @@ async def test_an_oversized_frame_is_refused() -> None:
 def test_name_tables_round_trip() -> None:
     table = {"a": (ipaddress.IPv4Address("10.0.0.1"), ipaddress.IPv6Address("fd00::1")),
              "b": (None, ipaddress.IPv6Address("fd00::2")), "c": (ipaddress.IPv4Address("10.0.0.3"), None)}
-    assert worker.decode_names(worker.encode_names(table)) == table
+    assert worker_pool.decode_names(worker_pool.encode_names(table)) == table
 
 
 def test_counter_merge_adds_increases_once_and_survives_a_restart() -> None:
     fam = REGISTRY.counter("meshgate_dns_queries_total", "DNS queries received", ("listener",))
     c = fam.labels("udp://merge-test")
     base = c.value
-    m = worker.CounterMerge(7)
+    m = worker_pool.counter_merge(7)  # the DNS one: queries per listener and per worker
 
     def report(v: int) -> bytes:
         row = ["meshgate_dns_queries_total", "h", ["listener"], ["udp://merge-test"], v]

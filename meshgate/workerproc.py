@@ -1,0 +1,113 @@
+"""What a node's worker processes (DNS: dns/worker_pool.py, SOCKS5: gateway/workers.py) and
+the node's process share: the control socket's frames, counters reported and merged, and the
+worker's tie to its parent. Below both features (ground layer), so neither imports the other.
+
+Frames on the control socket (a socketpair; its fd number is a worker's only argument, so no
+config or secret is ever on a command line): `length(4) kind(1) payload`, at most MAX_FRAME.
+A worker reports its counters (absolute, since it started) every REPORT_INTERVAL seconds;
+the node's process adds the increase since the last report to its own families.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import signal
+import socket
+import struct
+from collections.abc import Callable
+
+from meshgate.metrics import REGISTRY
+
+log = logging.getLogger("meshgate.workers")
+
+REPORT_INTERVAL = 1.0
+MAX_FRAME = 16 << 20
+HEAD = struct.Struct("!IB")
+# Environment variables that carry secrets (config.py reads them); never passed to workers.
+SECRET_ENV = ("MESHGATE_SECRET", "MESHGATE_ADMIN_TOKEN")
+
+
+def frame(kind: bytes, payload: bytes) -> bytes:
+    return HEAD.pack(len(payload), kind[0]) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
+    """The next frame, or None at EOF (the other process is gone)."""
+    try:
+        head = await reader.readexactly(HEAD.size)
+        n, kind = HEAD.unpack(head)
+        if n > MAX_FRAME:
+            raise ValueError(f"control frame of {n} bytes")
+        return bytes((kind,)), await reader.readexactly(n)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """`n` bytes from a blocking socket (a worker's setup frame, before its loop runs)."""
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise EOFError("control socket closed")
+        out += chunk
+    return bytes(out)
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when its parent dies (PR_SET_PDEATHSIG); EOF on the control socket
+    covers the rest."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)
+
+
+def counter_snapshot() -> bytes:
+    """Every non-zero counter of this process, as a worker reports them."""
+    rows = []
+    for fam in REGISTRY.counter_families():
+        for values, c in fam.children():
+            if c.value:
+                rows.append([fam.name, fam.help, list(fam.labelnames), list(values), c.value])
+    return json.dumps(rows).encode()
+
+
+class CounterMerge:
+    """Adds one worker's reported counters to this process's families. With `queries_metric`,
+    also sums that counter's increases per its first label into `queries` (and hands each
+    report's total to `on_queries`)."""
+
+    def __init__(self, index: int, queries_metric: str = "",
+                 on_queries: Callable[[int], None] | None = None) -> None:
+        self.index = index
+        self.queries_metric = queries_metric
+        self.on_queries = on_queries
+        self.last: dict[tuple[str, tuple[str, ...]], int] = {}
+        self.queries: dict[str, int] = {}  # by first label, over every incarnation of this worker
+
+    def restarted(self) -> None:
+        self.last.clear()  # a new process counts from zero
+
+    def apply(self, payload: bytes) -> None:
+        new_queries = 0
+        for name, help_, labelnames, values, value in json.loads(payload):
+            values = [str(v) for v in values]
+            key = (name, tuple(values))
+            delta = int(value) - self.last.get(key, 0)
+            if delta <= 0:
+                continue
+            self.last[key] = int(value)
+            try:
+                REGISTRY.counter(name, help_, tuple(labelnames)).labels(*values).inc(delta)
+            except ValueError as e:  # a name this process registered differently: skip that one
+                log.warning("worker %d: cannot merge counter %s%s: %s", self.index, name, values, e)
+                continue
+            if name == self.queries_metric and values:
+                new_queries += delta
+                self.queries[values[0]] = self.queries.get(values[0], 0) + delta
+        if new_queries and self.on_queries is not None:
+            self.on_queries(new_queries)
