@@ -86,6 +86,6 @@ def test_dns_workers_config() -> None:
 def test_worker_config_carries_no_secret_and_no_mesh() -> None:
     cfg = from_dict({"node": {"name": "alpha", "secret": "s3cret-value"},
                      "mesh": {"listen": ["tcp://127.0.0.1:0"]}, "dns": {"workers": 2}})
-    wc = worker.worker_config(cfg, [])
+    wc = worker_pool.worker_config(cfg, [])
     assert wc.node.secret == "" and wc.node.name == "alpha"
     assert wc.mesh.listen == () and wc.dns.workers == 1
