@@ -106,9 +106,31 @@ class Buffer:
         return bytes(self.data[self.start : self.start + self.length])
 
     def recycle(self) -> None:
-        """Return to the pool: call only after the consuming write succeeded."""
-        if self.pool is not None:
-            self.pool.put(self)
+        """Return to the pool: call only after the consuming write succeeded. (The pool's side
+        of it is here, not in BufferPool.put: one call per answer instead of two.)"""
+        pool = self.pool
+        if pool is None or self.free:
+            return  # dropped, one-off, or already free: never hand out twice
+        data = self.data
+        if len(data) != pool._size:
+            self.pool = None
+            _DROP_SIZE.inc()
+            return
+        # A bytearray with a live memoryview export refuses to resize (BufferError).
+        try:
+            data.append(0)
+        except BufferError:
+            self.pool = None  # a later recycle() of the same buffer is a no-op
+            _DROP_EXPORTED.inc()
+            return
+        del data[-1]
+        free = pool._free
+        if len(free) >= pool.max_free:
+            self.pool = None
+            _DROP_FULL.inc()
+            return
+        self.free = True
+        free.append(self)
 
     def drop(self) -> None:
         """Never reuse: the write failed or was abandoned and someone may hold it."""
@@ -169,38 +191,9 @@ class BufferPool:
             self._reused = 0
 
     def put(self, buf: Buffer) -> None:
-        if buf.pool is not self or buf.free:
-            return  # dropped, from another pool, or already free: never hand out twice
-        data = buf.data
-        if len(data) != self._size:
-            buf.pool = None
-            _DROP_SIZE.inc()
-            return
-        # A bytearray with a live memoryview export refuses to resize (BufferError).
-        try:
-            data.append(0)
-        except BufferError:
-            buf.pool = None  # a later put() of the same buffer is a no-op
-            _DROP_EXPORTED.inc()
-            return
-        del data[-1]
-        free = self._free
-        if len(free) >= self.max_free:
-            buf.pool = None
-            _DROP_FULL.inc()
-            return
-        buf.free = True
-        free.append(buf)
-
-
-def _has_exports(data: bytearray) -> bool:
-    """A bytearray with a live memoryview export refuses to resize (BufferError)."""
-    try:
-        data.append(0)
-    except BufferError:
-        return True
-    del data[-1]
-    return False
+        """Take `buf` back (Buffer.recycle); a buffer of another pool, or none, is not taken."""
+        if buf.pool is self:
+            buf.recycle()
 
 
 # --------------------------------------------------------------------------- write helpers
