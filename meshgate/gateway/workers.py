@@ -60,7 +60,6 @@ from typing import Any
 import meshgate
 from meshgate import replies
 from meshgate.config import Config, DnsConfig, LimitsConfig, MeshConfig, User
-from meshgate.dns.worker_pool import SECRET_ENV, CounterMerge, frame, read_frame
 from meshgate.egress.dialer import Dialer, DialError
 from meshgate.egress.mesh_dialer import MeshDialer
 from meshgate.errors import StartupError
@@ -310,6 +309,13 @@ class SocksWorkerPool:
 
     def _ask(self, w: _Worker, payload: bytes) -> None:
         if len(payload) < QUESTION.size:
+            return
+        if len(self._asks) >= self.config.socks5.max_clients * len(self.workers):
+            # more questions open than the workers may hold clients: refuse at once (bounded)
+            HANDED_OVER.labels("questions_refused").inc()
+            if w.writer is not None and not w.writer.is_closing():
+                qid = ID.unpack_from(payload)[0]
+                w.writer.write(frame(b"A", ANSWER.pack(qid, REFUSE) + bytes((replies.GENERAL_FAILURE,))))
             return
         task = asyncio.get_running_loop().create_task(self._answer(w, payload))
         self._asks.add(task)
