@@ -101,8 +101,10 @@ def start_meshgate_ref(ref: str) -> Callable[[int, str], Peer]:
     def start(port: int, workdir: str) -> Peer:
         tree = git_tree(ref, workdir)
         conf = Path(workdir, f"meshgate-{port}.toml")
+        # its own state_dir: the default one may be held by another node on this machine
         conf.write_text(
-            f'log_level = "warning"\n[socks5]\nlisten = "127.0.0.1:{port}"\nmax_clients = 4096\n'
+            f'log_level = "warning"\n[node]\nstate_dir = "{Path(workdir, f"state-{port}")}"\n'
+            f'[socks5]\nlisten = "127.0.0.1:{port}"\nmax_clients = 4096\n'
             "[admin]\nenable = false\n"
         )
         # cwd first on sys.path (-m): the extracted package shadows the working tree's.
