@@ -338,6 +338,70 @@ def one_round(
         hosts.stop()
 
 
+def table_memory(n: int, seed: int) -> dict[str, float]:
+    """One node's RouteTable in an n-node mesh, without the mesh: n signed records of the
+    random graph's nodes (real keys and signatures) arrive from each of its 3 neighbours
+    (a node of the mean degree) as ROUTES bodies, are checked and stored, and the routes built. The table's
+    deep size and what tracemalloc saw it keep; the CPU per record received and checked."""
+    import tracemalloc
+
+    from bench.mesh import random_graph
+    from meshgate.mesh.frames import MAX_BODY
+    from meshgate.mesh.identity import Identity, verify
+    from meshgate.mesh.routing import Record, RouteTable, encode_records
+
+    adj = random_graph(n, 3, seed=seed)
+    idents = [Identity.generate() for _ in range(n)]
+    ids = [i.node_id for i in idents]
+    now_ms = int(time.time() * 1000)
+    records = []
+    for i, ident in enumerate(idents):
+        ip = ipaddress.IPv4Interface(f"{ipaddress.IPv4Address(0x0A000001 + i)}/8")
+        rec = Record(ids[i], 1, now_ms, f"n{i}", ipv4=ip, key=ident.public,
+                     neighbours=tuple(sorted((ids[j], lat) for j, lat in adj[i])))
+        records.append(Record(**{**vars(rec), "signature": ident.sign(rec.signed_part)}))
+    me = next(i for i in range(n) if len(adj[i]) == 3)  # a node of the mean degree
+    bodies = encode_records(records[:me] + records[me + 1 :], MAX_BODY)
+
+    def check(rec: Record, held: Record | None) -> str | None:
+        return None if verify(rec.key[:32], rec.signature, rec.signed_part) else "bad_signature"
+
+    neighbours = [ids[j] for j, _ in adj[me]]
+
+    def fill() -> RouteTable:
+        table = RouteTable(records[me], max_records=2 * n, sign=idents[me].sign, accept=check)
+        for nid in neighbours:
+            table.neighbour_up(nid)
+            for body in bodies:
+                table.receive_body(nid, body, 0.0)
+            table.settle()
+        table.build()
+        for nid in neighbours:  # what a neighbour is sent and acknowledges
+            table.receive_acks(nid, [(r.origin, r.version) for r in table.records_to_send(nid, 0.0)])
+        return table
+
+    gc.collect()
+    cpu0 = cpu_s()
+    fill()  # timed untraced; tracemalloc would slow it
+    cpu = cpu_s() - cpu0
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    table = fill()
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert len(table.hop_paths) == n
+    return {
+        "table_MiB": table_size(table) / 2**20,
+        "traced_MiB": held / 2**20,
+        "neighbours": float(len(neighbours)),
+        "cpu_ms/node": cpu * 1e3,  # everything above, once: n-1 origins, 3 copies each
+        "cpu_us/origin": cpu / (n - 1) * 1e6,
+        "checked": float(table.records_verified),
+    }
+
+
 def main() -> None:
     from bench.common import Runner, git_tree, report
 
@@ -351,9 +415,17 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ab", help="also run meshgate as of this git ref, alternating with this tree")
     p.add_argument("--json")
+    p.add_argument("--table", help="only one node's route table at these mesh sizes (e.g. 500,1000)")
     args = p.parse_args()
     if args.host:
         host_main(int(args.host[0]), [int(x) for x in args.host[1].split(",") if x])
+        return
+    if args.table:
+        r = Runner("one node's route table, n signed records from each neighbour (sans-I/O)", args.rounds)
+        for size in (int(x) for x in args.table.split(",")):
+            r.add(f"{size} nodes", lambda size=size: table_memory(size, args.seed))  # type: ignore[misc]
+        r.run()
+        report([r], json_path=args.json)
         return
     with tempfile.TemporaryDirectory(prefix="meshscale-") as tmp:
         title = f"mesh of {args.nodes} nodes in {args.procs} processes, tcp:// on loopback"

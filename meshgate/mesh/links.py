@@ -12,6 +12,7 @@ aborted; the owner (MeshService) handles every established frame.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import Any, Protocol, cast
 
@@ -33,6 +34,7 @@ _rlog = RateLimitedLog(log)
 
 RTT_GAIN = 1 / 8  # the smoothed RTT's EWMA gain once warmed up (TCP's SRTT, RFC 6298)
 RTTVAR_GAIN = 1 / 4  # the mean deviation's gain (TCP's RTTVAR, RFC 6298)
+BASE_RTT_SAMPLES = 10  # the base RTT is the least of this many last samples
 
 
 class LinkOwner(Protocol):
@@ -71,6 +73,10 @@ class LinkBase:
         self._timer: asyncio.TimerHandle | None = None
         self.last_rx = self.loop.time()
         self.latency_us = 0  # smoothed ping RTT in µs; 0 = not measured yet
+        # the least RTT of the last BASE_RTT_SAMPLES: what route records carry. Queueing and a
+        # busy loop only ever add to a round trip, so this moves with the path, not the load
+        self.base_us = 0
+        self._recent: collections.deque[int] = collections.deque(maxlen=BASE_RTT_SAMPLES)
         self.rtt_samples = 0  # ping round trips measured
         # how far the latency wanders by itself: RTTVAR (RFC 6298), falling no faster than
         # SRTT settles, so a stray sample's pull on SRTT stays covered while it lasts
@@ -148,14 +154,17 @@ class LinkBase:
         self._deviation(rtt_us)
         self._srtt += max(RTT_GAIN, 1 / self.rtt_samples) * (rtt_us - self._srtt)
         self.latency_us = max(1, round(self._srtt))
+        self._recent.append(rtt_us)
+        self.base_us = max(1, min(self._recent))
 
-    def rtt_reported(self, rtt_us: int, jitter_us: int) -> None:
-        """The peer's smoothed RTT of this link and its jitter, from its PING: taken as they
-        are (smoothed there), so both ends' records carry the same figure, moved alike."""
+    def rtt_reported(self, rtt_us: int, base_us: int, jitter_us: int) -> None:
+        """The peer's smoothed and base RTT of this link and its jitter, from its PING: taken
+        as they are (measured there), so both ends' records carry the same figure, moved alike."""
         self.rtt_samples += 1
         self._srtt = float(rtt_us)
         self._rttvar = self._jitter = float(jitter_us)
         self.latency_us = max(1, rtt_us)
+        self.base_us = max(1, base_us or rtt_us)
         self.jitter_us = jitter_us
 
     def _deviation(self, rtt_us: int) -> None:

@@ -140,10 +140,11 @@ LATENCY_JITTER = 3
 LATENCY_HOLD_PINGS = 5
 LATENCY_BACKOFF_MAX = 64
 # PING body: token u64 (opaque to the receiver, echoed in the PONG), then the sender's
-# smoothed RTT of this link and its jitter, in µs (0: not measured). The side that dialed
-# a link pings it; the other side answers and takes that RTT and jitter as the link's, and
-# pings only while no such PING arrives (a peer before this sends an 8-byte token alone).
-PING_BODY = struct.Struct("!QII")
+# smoothed RTT of this link, its base RTT (what records carry) and its jitter, in µs (0:
+# not measured). The side that dialed a link pings it; the other side answers and takes
+# these as the link's, and pings only while no such PING arrives (a peer before this
+# sends an 8-byte token alone).
+PING_BODY = struct.Struct("!QIII")
 
 
 def cidr_claims(mesh: MeshConfig) -> tuple[tuple[certs.IPNetwork, bool], ...]:
@@ -579,7 +580,7 @@ class MeshService:
         neighbours = []
         for nid in self.links:
             best = self._best_link(nid)
-            neighbours.append((nid, best.latency_us if best is not None else 0))
+            neighbours.append((nid, best.base_us if best is not None else 0))
         if self.table.update_local(neighbours=tuple(sorted(neighbours))):
             self._last_originated = self.loop.time()
             self._schedule_sync()
@@ -594,7 +595,7 @@ class MeshService:
         if recorded == 0:
             self._update_neighbours()  # the first measurement: at once
             return
-        if not latency_moved(best.latency_us, recorded, best.jitter_us):
+        if not latency_moved(best.base_us, recorded, best.jitter_us):
             return
         due = self._last_originated + self.latency_hold * self._latency_backoff
         if self.loop.time() >= due:
@@ -608,7 +609,7 @@ class MeshService:
         for nid in self.links:
             best = self._best_link(nid)
             if best is not None and nid in recorded and latency_moved(
-                best.latency_us, recorded[nid], best.jitter_us
+                best.base_us, recorded[nid], best.jitter_us
             ):
                 self._latency_version()
                 return
@@ -693,7 +694,9 @@ class MeshService:
     def _send_ping(self, link: LinkBase) -> None:
         assert link.peer is not None
         top = 0xFFFFFFFF
-        body = PING_BODY.pack(rtt_clock_us(), min(link.latency_us, top), min(link.jitter_us, top))
+        body = PING_BODY.pack(
+            rtt_clock_us(), min(link.latency_us, top), min(link.base_us, top), min(link.jitter_us, top)
+        )
         link.send_frame(PING, 0, 1, self.node_id, link.peer.node_id, body)
 
     def _pings(self, link: LinkBase, now: float) -> bool:
@@ -708,9 +711,9 @@ class MeshService:
         if len(body) != PING_BODY.size or link.initiator:
             return  # a token alone (a node before PING_BODY), or the dialer, who measures itself
         link.peer_pinged = self.loop.time()
-        _, rtt, jitter = PING_BODY.unpack(body)
+        _, rtt, base, jitter = PING_BODY.unpack(body)
         if rtt:
-            link.rtt_reported(rtt, jitter)
+            link.rtt_reported(rtt, base, jitter)
             self._latency_changed(link.peer.node_id)
 
     def _tick(self) -> None:

@@ -158,6 +158,32 @@ async def test_latency_noise_makes_no_version_and_a_real_change_does() -> None:
         await stop_all([a, b])
 
 
+async def test_a_busy_spell_where_some_pongs_still_come_on_time_moves_no_record() -> None:
+    """Records carry the base RTT, the least of the last 10: queueing and a busy loop only
+    add to a round trip. Nine pongs in ten late by 10 ms for 2 s (the smoothed RTT goes to
+    ~10 ms, again and again beyond its jitter band): the path is what it was, no version.
+    Every pong late for good (the path got longer): the record follows."""
+    a, b, link = await _quiet_pair()
+    try:
+        await _settle_at(a, b, link, 1000)
+        version = a.table.local.version
+        loop = asyncio.get_running_loop()
+        began, i, above = loop.time(), 0, 0
+        while loop.time() - began < 2.0:
+            for _ in range(10):
+                _pong(a, link, 1000 if i % 10 == 9 else 11000)
+                # the smoothed RTT would move the record, jitter and all
+                above += latency_moved(link.latency_us, 1000, link.jitter_us)
+                i += 1
+            await asyncio.sleep(0.02)
+        assert above > 20 and abs(link.base_us - 1000) <= 50
+        assert a.table.local.version == version, a.table.local.version - version
+        await _settle_at(a, b, link, 11000)
+        assert a.table.local.version > version
+    finally:
+        await stop_all([a, b])
+
+
 async def test_a_latency_that_keeps_swinging_makes_ever_fewer_versions() -> None:
     """Plateaus of 1 ms and 3 ms, 0.1 s each, for 3 s: each is a real change (the jitter
     dies down within the plateau), but with a 0.3 s hold that doubles per version in a
