@@ -127,13 +127,14 @@ ORIGINATE_DELAY = 0.05  # coalesce changes of the own record made within this ti
 # costs every node a signature check and a route build. A lost link goes at once.
 FIRST_RTT_WAIT = 1.0
 ORIGINATE_GAP = 0.5
-# A neighbour's smoothed latency is re-originated when it moved from what the own
-# record says by more than LATENCY_CHANGE of it, LATENCY_FLOOR_US and LATENCY_JITTER
-# times the link's own jitter (a version floods to every node, each checking its
-# signature and rebuilding its routes: measurement noise must not make versions), at
-# most once per LATENCY_HOLD_PINGS ping intervals; latency-only versions in a row (a link
-# that keeps swinging) double that hold, up to LATENCY_BACKOFF_MAX times. A link's first
-# measurement goes at once.
+# A neighbour's latency (its best link's base RTT, links.BASE_RTT_SAMPLES) is re-originated
+# when it moved from what the own record says by more than LATENCY_CHANGE of it,
+# LATENCY_FLOOR_US and LATENCY_JITTER times the link's own jitter (a version floods to
+# every node, each checking its signature and rebuilding its routes: measurement noise
+# must not make versions), at most once per LATENCY_HOLD_PINGS ping intervals;
+# latency-only versions in a row (a link that keeps swinging) double that hold, up to
+# LATENCY_BACKOFF_MAX times. A link that came into the record unmeasured has its first
+# measurement in the next version, without the hold.
 LATENCY_CHANGE = 0.2
 LATENCY_FLOOR_US = 50
 LATENCY_JITTER = 3
