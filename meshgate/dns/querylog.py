@@ -19,8 +19,8 @@ answered: `mesh` for the mesh zone, `local` for dns.records, `cache`, `blocked L
 URL that answered, `route SUFFIX URL` for a `[[dns.route]]`'s upstream, `failed` when every
 upstream failed) and latency_ms; the ring's entries also carry `seq`.
 
-The log holds what the process that built it answered: with dns.workers > 1 the worker processes'
-own cache hits are not in it (docs/OPERATIONS.md).
+With dns.workers > 1 the worker processes forward their entries to the node's log
+(dns/worker.py `ForwardedLog`), so it holds every process's questions (docs/OPERATIONS.md).
 """
 
 from __future__ import annotations

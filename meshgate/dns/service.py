@@ -75,7 +75,8 @@ class DnsService:
         cfg = worker_config(self.config, shared)
         self.pool = WorkerPool(cfg, self.config.dns.workers, self.pipeline.name_table,
                                self.pipeline.names_changed,
-                               functools.partial(answer_for_worker, self.pipeline))
+                               functools.partial(answer_for_worker, self.pipeline),
+                               query_log=self.pipeline.query_log)
         await self.pool.start()
 
     def set_local(self, dns: DnsConfig) -> None:

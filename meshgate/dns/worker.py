@@ -17,15 +17,19 @@ import pickle
 import signal
 import socket
 import sys
+import time
 
 from meshgate import logs
 from meshgate.config import Config
+from meshgate.dns import wire
+from meshgate.dns.querylog import QueryLog
 from meshgate.dns.resolver import NameTable, Pipeline, upstream_spans
 from meshgate.dns.service import DnsService
 from meshgate.dns.upstream import Upstream
-from meshgate.dns.worker_pool import _ID, decode_names
+from meshgate.dns.worker_pool import _ID, LOG_PENDING, LogEntry, decode_names, encode_log
 from meshgate.errors import StartupError
 from meshgate.loop import new_loop
+from meshgate.metrics import REGISTRY
 from meshgate.workerproc import (
     HEAD,
     MAX_FRAME,
@@ -36,6 +40,9 @@ from meshgate.workerproc import (
     read_frame,
     recv_exact,
 )
+
+_log_dropped = REGISTRY.counter("meshgate_dns_query_log_dropped_total",
+                                "Query log lines dropped because the file writer's queue was full")
 
 
 class ParentUpstream(Upstream):
@@ -81,7 +88,42 @@ class ParentUpstream(Upstream):
                 fut.set_exception(OSError("worker stopping"))
 
 
-async def _serve(sock: socket.socket, config: Config, index: int) -> int:
+class ForwardedLog(QueryLog):
+    """A worker's [dns.query_log]: the entries one loop tick answered leave for the main process
+    in one G frame (worker_pool.py), which adds them to its ring and file; at most LOG_PENDING
+    wait, the rest are dropped and counted like the file writer's."""
+
+    __slots__ = ("armed", "loop", "pending", "writer")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        super().__init__(1)
+        self.writer = writer
+        self.loop = asyncio.get_running_loop()
+        self.pending: list[LogEntry] = []
+        self.armed = False
+
+    def add(self, peer: object, listener: str, name: bytes, qtype: int, ans: wire.Answer, source: str,
+            ms: float, now: float | None = None) -> None:
+        if len(self.pending) >= LOG_PENDING:
+            _log_dropped.inc()
+            return
+        self.pending.append((time.time() if now is None else now, peer, listener, name, qtype, ans.wire,
+                             source, ms))
+        if not self.armed:
+            self.armed = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.armed = False
+        if self.pending and not self.writer.is_closing():
+            self.writer.write(frame(b"G", encode_log(self.pending)))
+        self.pending = []
+
+    def close(self) -> None:
+        self.flush()
+
+
+async def _serve(sock: socket.socket, config: Config, index: int, query_log: bool = False) -> int:
     loop = asyncio.get_running_loop()
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     # The worker's pipeline: the mesh's names as the main process last pushed them, and the main
@@ -90,6 +132,8 @@ async def _serve(sock: socket.socket, config: Config, index: int) -> int:
     pushed: list[NameTable] = [{}]
     parent = ParentUpstream(writer, config.limits.dns_max_inflight, upstream_spans(config))
     pipeline = Pipeline(config, names=lambda: pushed[0], upstreams=[parent])
+    if query_log:  # [dns.query_log] on in the main process: its log gets this process's entries
+        pipeline.query_log = ForwardedLog(writer)
     svc = DnsService(config, pipeline, worker=True)
     try:
         await svc.start()
@@ -156,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(config.log_level)
     loop = new_loop(setup["loop"])
     try:
-        return loop.run_until_complete(_serve(sock, config, int(setup["index"])))
+        return loop.run_until_complete(_serve(sock, config, int(setup["index"]),
+                                              bool(setup.get("query_log", False))))
     finally:
         loop.close()
 

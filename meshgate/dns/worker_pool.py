@@ -22,11 +22,18 @@ of `length(4) kind(1) payload`:
     worker -> main   R  ready (JSON {"pid", "urls"})    E  could not start (text)
                      M  counters (JSON [[name, help, labelnames, labels, value], ...])
                      Q  upstream query (u32 id, then the query)
+                     G  query log entries, with [dns.query_log] on (JSON [[unix time, client
+                        host, port, listener, name hex, qtype, answer hex, source, ms], ...])
 
 Upstream queries (cache misses) go through the main process: it is the one
 with the mesh (upstreams at other nodes' addresses are reached over mesh
 streams), and its cache and pooled upstream connections serve every worker,
 so a worker answers exactly what the node itself would.
+
+Query log: a worker's pipeline logs into a `ForwardedLog` (worker.py), which sends what one loop
+tick answered in one G frame (at most LOG_PENDING entries wait; beyond, they are dropped and
+counted like the file writer's drops); the main process adds them to its own log with their
+times, so its ring and its file hold every process's questions and one process writes the file.
 
 Counts: a worker reports its counters every REPORT_INTERVAL seconds and when it
 stops; the main process adds the increase since the last report to the same
@@ -57,6 +64,7 @@ from typing import Any
 import meshgate
 from meshgate.config import Config, DnsConfig, DnsListenerConfig, DnsQueryLogConfig, MeshConfig, Socks5Config
 from meshgate.dns import wire
+from meshgate.dns.querylog import QueryLog
 from meshgate.dns.resolver import Names, NameTable, Pipeline
 from meshgate.errors import StartupError
 from meshgate.metrics import REGISTRY
@@ -70,6 +78,7 @@ RESTART_BACKOFF = 0.2
 RESTART_BACKOFF_MAX = 30.0
 STABLE_AFTER = 60.0  # a worker that ran this long before exiting restarts with the shortest backoff
 _ID = struct.Struct("!I")
+LOG_PENDING = 10000  # query log entries a worker holds for its next G frame
 
 _worker_queries = REGISTRY.counter(
     "meshgate_dns_worker_queries_total", "DNS queries received by each worker process (1..N-1)", ("worker",)
@@ -99,6 +108,26 @@ def decode_names(payload: bytes) -> NameTable:
             for k, (v4, v6) in raw.items()}
 
 
+# a worker's query log entry: time, peer, listener, wire name, qtype, answer wire, source, ms
+LogEntry = tuple[float, Any, str, bytes, int, bytes, str, float]
+
+
+def encode_log(entries: list[LogEntry]) -> bytes:
+    rows = []
+    for t, peer, listener, name, qtype, answer, source, ms in entries:
+        host, port = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) and len(peer) >= 2 else ("", 0)
+        rows.append([t, host, port, listener, name.hex(), qtype, answer.hex(), source, ms])
+    return json.dumps(rows).encode()
+
+
+def decode_log(payload: bytes) -> list[LogEntry]:
+    out: list[LogEntry] = []
+    for t, host, port, listener, name, qtype, answer, source, ms in json.loads(payload):
+        out.append((float(t), (str(host), int(port)) if host else None, str(listener), bytes.fromhex(name),
+                    int(qtype), bytes.fromhex(answer), str(source), float(ms)))
+    return out
+
+
 def counter_merge(index: int) -> CounterMerge:
     """A DNS worker's counter merge: its queries also counted per listener and per worker."""
     return CounterMerge(index, _QUERIES, _worker_queries.labels(str(index)).inc)
@@ -111,7 +140,8 @@ def worker_config(config: Config, listeners: list[DnsListenerConfig]) -> Config:
     """What a worker needs: the DNS settings with the listeners it shares (bound ports, cert paths
     filled in) and the node's name for the zone; no mesh, network secret or SOCKS users."""
     node = dataclasses.replace(config.node, secret="")
-    # No [dns.query_log] in workers: nothing reads their ring, and one process writes its file
+    # No [dns.query_log] of their own in workers: they forward their entries (G frames) to the
+    # main process's log, which holds the ring and writes the file
     dns = dataclasses.replace(config.dns, listeners=tuple(listeners), workers=1,
                               query_log=DnsQueryLogConfig())
     return dataclasses.replace(config, node=node, mesh=MeshConfig(), socks5=Socks5Config(), dns=dns)
@@ -134,8 +164,10 @@ class WorkerPool:
 
     def __init__(self, config: Config, count: int, names: Names,
                  changed: Callable[[], None] | None = None,
-                 answer: Callable[[bytes], Awaitable[bytes]] | None = None) -> None:
+                 answer: Callable[[bytes], Awaitable[bytes]] | None = None,
+                 query_log: QueryLog | None = None) -> None:
         self.config = config
+        self.query_log = query_log  # the main process's: the workers' entries go into it too
         self.names = names
         self.changed = changed  # the main process's own pipeline forgets memoised names too
         self.answer = answer  # a worker's upstream query -> the response (b"" = failed)
@@ -186,7 +218,8 @@ class WorkerPool:
         w.started_at = loop.time()
         w.ready = loop.create_future() if not self.started else None
         w.merge.restarted()
-        setup = {"config": self.config, "index": w.index, "loop": self._loop_kind, "parent": os.getpid()}
+        setup = {"config": self.config, "index": w.index, "loop": self._loop_kind, "parent": os.getpid(),
+                 "query_log": self.query_log is not None}
         writer.write(frame(b"C", pickle.dumps(setup)))
         writer.write(frame(b"N", self._names_payload))
         w.task = loop.create_task(self._run(w, reader))
@@ -202,6 +235,8 @@ class WorkerPool:
                 w.merge.apply(payload)
             elif kind == b"Q":
                 self._ask(w, payload)
+            elif kind == b"G":
+                self._logged(w, payload)
             elif kind == b"R" and w.ready is not None and not w.ready.done():
                 w.ready.set_result(None)
             elif kind == b"E":
@@ -235,6 +270,20 @@ class WorkerPool:
             await self._spawn(w)
         except OSError as e:
             log.error("dns worker %d: cannot restart: %s", w.index, e)
+
+    def _logged(self, w: _Worker, payload: bytes) -> None:
+        """A worker's query log entries into this process's log (their own times kept)."""
+        qlog = self.query_log
+        if qlog is None:
+            return
+        try:
+            entries = decode_log(payload)
+        except (ValueError, TypeError) as e:  # our own child wrote it: a bug, not an attack
+            log.warning("dns worker %d: bad query log frame: %r", w.index, e)
+            return
+        for t, peer, listener, name, qtype, answer, source, ms in entries:
+            ans = wire.Answer(answer, (), (), 0, answer[3] & 0xF if len(answer) >= 4 else 0)
+            qlog.add(peer, listener, name, qtype, ans, source, ms, now=t)
 
     def _ask(self, w: _Worker, payload: bytes) -> None:
         if self.answer is None or len(payload) < _ID.size:
