@@ -15,10 +15,13 @@ import contextlib
 import ctypes
 import json
 import logging
+import os
+import pickle
 import signal
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from meshgate.metrics import REGISTRY
 
@@ -111,3 +114,78 @@ class CounterMerge:
                 self.queries[values[0]] = self.queries.get(values[0], 0) + delta
         if new_queries and self.on_queries is not None:
             self.on_queries(new_queries)
+
+
+# --------------------------------------------------------------------------- the worker's side
+
+
+def read_setup(sock: socket.socket) -> dict[str, Any] | None:
+    """A worker's start: tie it to its parent, read the setup frame (config, index, loop kind,
+    parent pid) from the control socket; None when there is none or the parent already died."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the node stops us
+    try:
+        n, _kind = HEAD.unpack(recv_exact(sock, HEAD.size))
+        if n > MAX_FRAME:
+            return None
+        # Trusted: our parent wrote it into a socketpair only the two processes hold.
+        setup: dict[str, Any] = pickle.loads(recv_exact(sock, n))
+    except EOFError:
+        return None
+    if os.getppid() != setup["parent"]:
+        return None  # the parent died before PR_SET_PDEATHSIG was armed
+    return setup
+
+
+async def report_counters(writer: asyncio.StreamWriter) -> None:
+    """Every REPORT_INTERVAL, this worker's counters to the node's process (cancel to stop)."""
+    while not writer.is_closing():
+        await asyncio.sleep(REPORT_INTERVAL)
+        writer.write(frame(b"M", counter_snapshot()))
+
+
+async def final_report(writer: asyncio.StreamWriter) -> None:
+    """The last counter report, then the control socket closed (a stopping worker)."""
+    with contextlib.suppress(ConnectionError):
+        if not writer.is_closing():
+            writer.write(frame(b"M", counter_snapshot()))
+            await writer.drain()
+    writer.close()
+
+
+# --------------------------------------------------------------------------- the node's side
+
+
+class WorkerProcess(Protocol):
+    index: int
+    proc: asyncio.subprocess.Process | None
+    writer: asyncio.StreamWriter | None
+    task: asyncio.Task[None] | None
+
+
+async def stop_workers(workers: Iterable[WorkerProcess], what: str, timeout: float) -> None:
+    """Ask every worker to stop, wait `timeout` for each (then kill it), and let each reader
+    task drain the final counter report before it sees EOF."""
+    workers = list(workers)
+    for w in workers:
+        if w.writer is not None and not w.writer.is_closing():
+            w.writer.write(frame(b"S", b""))
+    for w in workers:
+        if w.proc is None or w.proc.returncode is not None:
+            continue
+        try:
+            async with asyncio.timeout(timeout):
+                await w.proc.wait()
+        except TimeoutError:
+            log.warning("%s worker %d (pid %d) did not stop in %.0fs: killed", what, w.index, w.proc.pid,
+                        timeout)
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.kill()
+            await w.proc.wait()
+    for w in workers:
+        if w.task is not None:
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await w.task
+            if not w.task.done():
+                w.task.cancel()

@@ -10,7 +10,6 @@ stop when told to or when the main process goes away.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import pickle
@@ -30,16 +29,7 @@ from meshgate.dns.worker_pool import _ID, LOG_PENDING, LogEntry, decode_names, e
 from meshgate.errors import StartupError
 from meshgate.loop import new_loop
 from meshgate.metrics import REGISTRY
-from meshgate.workerproc import (
-    HEAD,
-    MAX_FRAME,
-    REPORT_INTERVAL,
-    counter_snapshot,
-    die_with_parent,
-    frame,
-    read_frame,
-    recv_exact,
-)
+from meshgate.workerproc import final_report, frame, read_frame, read_setup, report_counters
 
 _log_dropped = REGISTRY.counter("meshgate_dns_query_log_dropped_total",
                                 "Query log lines dropped because the file writer's queue was full")
@@ -161,41 +151,21 @@ async def _serve(sock: socket.socket, config: Config, index: int, query_log: boo
                 pipeline.set_blocklist(blocklist)
         stop.set()
 
-    async def report() -> None:
-        while True:
-            await asyncio.sleep(REPORT_INTERVAL)
-            if writer.is_closing():
-                return
-            writer.write(frame(b"M", counter_snapshot()))
-
-    tasks = [loop.create_task(control()), loop.create_task(report())]
+    tasks = [loop.create_task(control()), loop.create_task(report_counters(writer))]
     await stop.wait()
     await svc.stop()
     for t in tasks:
         t.cancel()
-    with contextlib.suppress(ConnectionError):
-        if not writer.is_closing():
-            writer.write(frame(b"M", counter_snapshot()))
-            await writer.drain()
-    writer.close()
+    await final_report(writer)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; main stops us
     sock = socket.socket(fileno=int(argv[0]))
-    try:
-        n, _kind = HEAD.unpack(recv_exact(sock, HEAD.size))
-        if n > MAX_FRAME:
-            return 1
-        # Trusted: our parent wrote it into a socketpair only the two processes hold.
-        setup = pickle.loads(recv_exact(sock, n))
-    except EOFError:
+    setup = read_setup(sock)
+    if setup is None:
         return 1
-    if os.getppid() != setup["parent"]:
-        return 1  # the parent died before PR_SET_PDEATHSIG was armed
     config: Config = setup["config"]
     logs.setup(config.log_level)
     loop = new_loop(setup["loop"])

@@ -47,7 +47,6 @@ is restarted after a backoff that doubles up to RESTART_BACKOFF_MAX.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -68,7 +67,7 @@ from meshgate.dns.querylog import QueryLog
 from meshgate.dns.resolver import Names, NameTable, Pipeline
 from meshgate.errors import StartupError
 from meshgate.metrics import REGISTRY
-from meshgate.workerproc import REPORT_INTERVAL, SECRET_ENV, CounterMerge, frame, read_frame
+from meshgate.workerproc import REPORT_INTERVAL, SECRET_ENV, CounterMerge, frame, read_frame, stop_workers
 
 log = logging.getLogger("meshgate.dns.worker")
 
@@ -339,29 +338,7 @@ class WorkerPool:
             self._watch.cancel()
         for t in list(self._asks):
             t.cancel()
-        for w in self.workers:
-            if w.writer is not None and not w.writer.is_closing():
-                w.writer.write(frame(b"S", b""))
-        for w in self.workers:
-            if w.proc is None or w.proc.returncode is not None:
-                continue
-            try:
-                async with asyncio.timeout(STOP_TIMEOUT):
-                    await w.proc.wait()
-            except TimeoutError:
-                log.warning("dns worker %d (pid %d) did not stop in %.0fs: killed", w.index, w.proc.pid,
-                            STOP_TIMEOUT)
-                with contextlib.suppress(ProcessLookupError):
-                    w.proc.kill()
-                await w.proc.wait()
-        for w in self.workers:
-            if w.task is not None:
-                # The reader drains the final counter report before it sees EOF.
-                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                    async with asyncio.timeout(STOP_TIMEOUT):
-                        await w.task
-                if not w.task.done():
-                    w.task.cancel()
+        await stop_workers(self.workers, "dns", STOP_TIMEOUT)
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers if w.proc is not None and w.proc.returncode is None]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import contextlib
 import contextvars
 import ipaddress
 import json
@@ -34,16 +33,7 @@ from meshgate.gateway.server import ClientProtocol, HandOver, Socks5Server
 from meshgate.gateway.workers import ANSWER, LOCAL, MAX_HANDOVER, MESH, QUESTION, REFUSE, encode_handover
 from meshgate.loop import new_loop
 from meshgate.metrics import REGISTRY
-from meshgate.workerproc import (
-    HEAD,
-    MAX_FRAME,
-    REPORT_INTERVAL,
-    counter_snapshot,
-    die_with_parent,
-    frame,
-    read_frame,
-    recv_exact,
-)
+from meshgate.workerproc import final_report, frame, read_frame, read_setup, report_counters
 
 _ROUTED = REGISTRY.counter(
     "meshgate_socks5_worker_requests_total",
@@ -185,42 +175,24 @@ async def _serve(sock: socket.socket, hand: socket.socket, config: Config, index
                 server.set_limits(new_limits)
         stop.set()
 
-    async def report() -> None:
-        while not writer.is_closing():
-            await asyncio.sleep(REPORT_INTERVAL)
-            writer.write(frame(b"M", counter_snapshot()))
-
-    tasks = [loop.create_task(control()), loop.create_task(report())]
+    tasks = [loop.create_task(control()), loop.create_task(report_counters(writer))]
     await stop.wait()
     routes.close()
     await server.close()
     for t in tasks:
         t.cancel()
-    with contextlib.suppress(ConnectionError):
-        if not writer.is_closing():
-            writer.write(frame(b"M", counter_snapshot()))
-            await writer.drain()
-    writer.close()
+    await final_report(writer)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the node stops us
     sock = socket.socket(fileno=int(argv[0]))
     hand = socket.socket(fileno=int(argv[1]))
     hand.setblocking(False)
-    try:
-        n, _kind = HEAD.unpack(recv_exact(sock, HEAD.size))
-        if n > MAX_FRAME:
-            return 1
-        # Trusted: our parent wrote it into a socketpair only the two processes hold.
-        setup = pickle.loads(recv_exact(sock, n))
-    except EOFError:
+    setup = read_setup(sock)
+    if setup is None:
         return 1
-    if os.getppid() != setup["parent"]:
-        return 1  # the parent died before PR_SET_PDEATHSIG was armed
     config: Config = setup["config"]
     logs.setup(config.log_level)
     loop = new_loop(setup["loop"])

@@ -67,7 +67,7 @@ from meshgate.gateway import socks5
 from meshgate.gateway.server import HANDED_OVER, Socks5Server
 from meshgate.logs import RateLimitedLog
 from meshgate.policy import in_any
-from meshgate.workerproc import SECRET_ENV, CounterMerge, frame, read_frame
+from meshgate.workerproc import SECRET_ENV, CounterMerge, frame, read_frame, stop_workers
 
 log = logging.getLogger("meshgate.gateway.workers")
 _rlog = RateLimitedLog(log)
@@ -345,28 +345,8 @@ class SocksWorkerPool:
         self.stopping = True
         for t in [*self._asks, *self._adopting]:
             t.cancel()
+        await stop_workers(self.workers, "socks5", STOP_TIMEOUT)
         for w in self.workers:
-            if w.writer is not None and not w.writer.is_closing():
-                w.writer.write(frame(b"S", b""))
-        for w in self.workers:
-            if w.proc is None or w.proc.returncode is not None:
-                continue
-            try:
-                async with asyncio.timeout(STOP_TIMEOUT):
-                    await w.proc.wait()
-            except TimeoutError:
-                log.warning("socks5 worker %d (pid %d) did not stop in %.0fs: killed", w.index, w.proc.pid,
-                            STOP_TIMEOUT)
-                with contextlib.suppress(ProcessLookupError):
-                    w.proc.kill()
-                await w.proc.wait()
-        for w in self.workers:
-            if w.task is not None:
-                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                    async with asyncio.timeout(STOP_TIMEOUT):
-                        await w.task
-                if not w.task.done():
-                    w.task.cancel()
             self._close_channels(w)
 
     def pids(self) -> list[int]:
