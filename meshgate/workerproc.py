@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import signal
 import socket
 import struct
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from meshgate.metrics import REGISTRY
 
@@ -156,14 +157,21 @@ async def final_report(writer: asyncio.StreamWriter) -> None:
 # --------------------------------------------------------------------------- the node's side
 
 
-class WorkerProcess(Protocol):
+@dataclasses.dataclass
+class WorkerSlot:
+    """One worker process as its pool holds it (restarted in the same slot)."""
+
     index: int
-    proc: asyncio.subprocess.Process | None
-    writer: asyncio.StreamWriter | None
-    task: asyncio.Task[None] | None
+    merge: CounterMerge
+    proc: asyncio.subprocess.Process | None = None
+    writer: asyncio.StreamWriter | None = None
+    task: asyncio.Task[None] | None = None  # reads the worker's control frames
+    ready: asyncio.Future[None] | None = None  # the first start's "R" (or its failure)
+    restarts: int = 0
+    started_at: float = 0.0
 
 
-async def stop_workers(workers: Iterable[WorkerProcess], what: str, timeout: float) -> None:
+async def stop_workers(workers: Iterable[WorkerSlot], what: str, timeout: float) -> None:
     """Ask every worker to stop, wait `timeout` for each (then kill it), and let each reader
     task drain the final counter report before it sees EOF."""
     workers = list(workers)

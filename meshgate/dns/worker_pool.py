@@ -67,7 +67,15 @@ from meshgate.dns.querylog import QueryLog
 from meshgate.dns.resolver import Names, NameTable, Pipeline
 from meshgate.errors import StartupError
 from meshgate.metrics import REGISTRY
-from meshgate.workerproc import REPORT_INTERVAL, SECRET_ENV, CounterMerge, frame, read_frame, stop_workers
+from meshgate.workerproc import (
+    REPORT_INTERVAL,
+    SECRET_ENV,
+    CounterMerge,
+    WorkerSlot,
+    frame,
+    read_frame,
+    stop_workers,
+)
 
 log = logging.getLogger("meshgate.dns.worker")
 
@@ -146,16 +154,7 @@ def worker_config(config: Config, listeners: list[DnsListenerConfig]) -> Config:
     return dataclasses.replace(config, node=node, mesh=MeshConfig(), socks5=Socks5Config(), dns=dns)
 
 
-@dataclasses.dataclass
-class _Worker:
-    index: int
-    merge: CounterMerge
-    proc: asyncio.subprocess.Process | None = None
-    writer: asyncio.StreamWriter | None = None
-    task: asyncio.Task[None] | None = None
-    ready: asyncio.Future[None] | None = None
-    restarts: int = 0
-    started_at: float = 0.0
+_Worker = WorkerSlot
 
 
 class WorkerPool:

@@ -67,7 +67,7 @@ from meshgate.gateway import socks5
 from meshgate.gateway.server import HANDED_OVER, Socks5Server
 from meshgate.logs import RateLimitedLog
 from meshgate.policy import in_any
-from meshgate.workerproc import SECRET_ENV, CounterMerge, frame, read_frame, stop_workers
+from meshgate.workerproc import SECRET_ENV, CounterMerge, WorkerSlot, frame, read_frame, stop_workers
 
 log = logging.getLogger("meshgate.gateway.workers")
 _rlog = RateLimitedLog(log)
@@ -140,16 +140,8 @@ def decode_handover(data: bytes) -> tuple[socks5.Request, bytes]:
 
 
 @dataclasses.dataclass
-class _Worker:
-    index: int
-    merge: CounterMerge
-    proc: asyncio.subprocess.Process | None = None
-    writer: asyncio.StreamWriter | None = None
-    handover: socket.socket | None = None
-    task: asyncio.Task[None] | None = None
-    ready: asyncio.Future[None] | None = None
-    restarts: int = 0
-    started_at: float = 0.0
+class _Worker(WorkerSlot):
+    handover: socket.socket | None = None  # the node's end of the hand-over socketpair
 
 
 class SocksWorkerPool:
