@@ -143,15 +143,19 @@ async def test_two_hop_route_latency_follows_injected_ring_delays(d_ab: float, d
     a, b, c = nodes
     rtt_ab, rtt_bc = int(2 * d_ab * 1e6), int(2 * d_bc * 1e6)  # the delay applies each way
     try:
-        # a ring delay is a loop timer: it fires up to a millisecond late under uvloop,
-        # and the pong waits for the loop like any callback; never early. The base RTT (the
-        # least of the last samples, what records carry) is held to the injected delays: the
-        # smoothed one also carries every late timer of a loaded machine
+        # a ring delay is a loop timer: it fires up to a millisecond late under uvloop, and
+        # the pong waits for the loop like any callback. It can also fire a little early (a
+        # loop runs what is due within its clock's resolution; uvloop counts whole ms), and the
+        # base RTT (the least of the last samples, what records carry) keeps such an early
+        # sample: a record that took one stays below the injected delay, since a move of a few %
+        # re-originates nothing (seen: 19,734 µs carried for a 20,000 µs ring). So the bounds
+        # allow 10% under the delays; the smoothed RTT also carries every late timer of a
+        # loaded machine, which the upper bounds allow
         def settled() -> bool:
             ab, bc = _base_us(a, b), _base_us(b, c)
             return (
-                all(rtt_ab <= x <= rtt_ab * 1.15 + 2500 for x in (ab, _base_us(b, a)))
-                and all(rtt_bc <= x <= rtt_bc * 1.15 + 2500 for x in (bc, _base_us(c, b)))
+                all(rtt_ab * 0.9 <= x <= rtt_ab * 1.15 + 2500 for x in (ab, _base_us(b, a)))
+                and all(rtt_bc * 0.9 <= x <= rtt_bc * 1.15 + 2500 for x in (bc, _base_us(c, b)))
                 and _close(_route_us(a, c), ab + bc, 0.25, 150)
             )
 
@@ -161,7 +165,7 @@ async def test_two_hop_route_latency_follows_injected_ring_delays(d_ab: float, d
             # (asserting once right after settled() failed twice in full runs beside a busy core),
             # so wait for both together; a route that never gets there still fails
             route = _route_us(a, c)
-            return settled() and rtt_ab + rtt_bc <= route <= (rtt_ab + rtt_bc) * 1.15 + 5000
+            return settled() and (rtt_ab + rtt_bc) * 0.9 <= route <= (rtt_ab + rtt_bc) * 1.15 + 5000
 
         await _wait(route_follows, 20, "latencies and the route close to the injected delays", nodes)
         _check_shown(a, b, c)
