@@ -21,14 +21,23 @@ import pickle
 import signal
 import socket
 import struct
-from collections.abc import Callable, Iterable
-from typing import Any
+import sys
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
+import meshgate
+from meshgate.errors import StartupError
 from meshgate.metrics import REGISTRY
 
 log = logging.getLogger("meshgate.workers")
 
 REPORT_INTERVAL = 1.0
+READY_TIMEOUT = 20.0  # a worker's first start, until its "R"
+STOP_TIMEOUT = 3.0
+RESTART_BACKOFF = 0.2
+RESTART_BACKOFF_MAX = 30.0
+STABLE_AFTER = 60.0  # a worker that ran this long before exiting restarts with the shortest backoff
 MAX_FRAME = 16 << 20
 HEAD = struct.Struct("!IB")
 # Environment variables that carry secrets (config.py reads them); never passed to workers.
@@ -171,6 +180,9 @@ class WorkerSlot:
     started_at: float = 0.0
 
 
+W = TypeVar("W", bound=WorkerSlot)
+
+
 async def stop_workers(workers: Iterable[WorkerSlot], what: str, timeout: float) -> None:
     """Ask every worker to stop, wait `timeout` for each (then kill it), and let each reader
     task drain the final counter report before it sees EOF."""
@@ -197,3 +209,68 @@ async def stop_workers(workers: Iterable[WorkerSlot], what: str, timeout: float)
                     await w.task
             if not w.task.done():
                 w.task.cancel()
+
+
+async def spawn(module: str, ends: Sequence[socket.socket]) -> asyncio.subprocess.Process:
+    """`python -m MODULE FD...` with the child's socket `ends` passed to it (and closed here).
+    It imports this process's meshgate tree (a checkout or a git ref's copy), and no secret is
+    in its environment: its config copy has none, a worker's /proc/PID/environ is readable by
+    the same user, and it parses untrusted input."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+    root = str(Path(meshgate.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    try:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", module, *(str(e.fileno()) for e in ends),
+            pass_fds=tuple(e.fileno() for e in ends), env=env, stdin=asyncio.subprocess.DEVNULL,
+        )
+    finally:
+        for e in ends:
+            e.close()
+
+
+def common_frame(w: WorkerSlot, kind: bytes, payload: bytes) -> bool:
+    """The frames every worker sends: M (counters), R (ready), E (could not start). False for a
+    kind the pool handles itself."""
+    if kind == b"M":
+        w.merge.apply(payload)
+    elif kind == b"R":
+        if w.ready is not None and not w.ready.done():
+            w.ready.set_result(None)
+    elif kind == b"E":
+        text = payload.decode(errors="replace")
+        if w.ready is not None and not w.ready.done():  # the first start: it fails the node's
+            w.ready.set_exception(StartupError(text))
+        else:
+            log.error("%s", text)  # a restart that failed: retried after the backoff
+    else:
+        return False
+    return True
+
+
+async def after_exit(w: W, what: str, started: bool, stopping: Callable[[], bool],
+                     respawn: Callable[[W], Awaitable[None]]) -> None:
+    """A worker's process is gone: fail the node's start if it never got ready; else, unless
+    the pool stops, start it again after a backoff that doubles up to RESTART_BACKOFF_MAX (the
+    shortest again after STABLE_AFTER seconds of running)."""
+    assert w.proc is not None
+    code = await w.proc.wait()
+    if not started:  # the node's start fails (and stops the pool); no restarts
+        if w.ready is not None and not w.ready.done():
+            w.ready.set_exception(StartupError(f"{what} worker {w.index} exited with {code} while starting"))
+        return
+    if stopping():
+        return
+    ran = asyncio.get_running_loop().time() - w.started_at
+    delay = RESTART_BACKOFF if ran >= STABLE_AFTER else min(
+        RESTART_BACKOFF * 2 ** min(w.restarts, 16), RESTART_BACKOFF_MAX)
+    w.restarts += 1
+    log.warning("%s worker %d (pid %d) exited with %s after %.1fs; restarting in %.1fs",
+                what, w.index, w.proc.pid, code, ran, delay)
+    await asyncio.sleep(delay)
+    if stopping():
+        return
+    try:
+        await respawn(w)
+    except OSError as e:
+        log.error("%s worker %d: cannot restart: %s", what, w.index, e)

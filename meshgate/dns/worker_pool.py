@@ -41,7 +41,7 @@ metric families, so /metrics, `meshgate stats` and the listener snapshots in
 /status show totals over all processes (what a worker counted since its last
 report is lost if it crashes). A worker dies with the main process
 (PR_SET_PDEATHSIG, and EOF on the control socket); one that exits unexpectedly
-is restarted after a backoff that doubles up to RESTART_BACKOFF_MAX.
+is restarted after a backoff that doubles up to workerproc.RESTART_BACKOFF_MAX.
 """
 
 from __future__ import annotations
@@ -55,12 +55,9 @@ import os
 import pickle
 import socket
 import struct
-import sys
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
-import meshgate
 from meshgate.config import Config, DnsConfig, DnsListenerConfig, DnsQueryLogConfig, MeshConfig, Socks5Config
 from meshgate.dns import wire
 from meshgate.dns.querylog import QueryLog
@@ -68,22 +65,21 @@ from meshgate.dns.resolver import Names, NameTable, Pipeline
 from meshgate.errors import StartupError
 from meshgate.metrics import REGISTRY
 from meshgate.workerproc import (
+    READY_TIMEOUT,
     REPORT_INTERVAL,
-    SECRET_ENV,
+    STOP_TIMEOUT,
     CounterMerge,
     WorkerSlot,
+    after_exit,
+    common_frame,
     frame,
     read_frame,
+    spawn,
     stop_workers,
 )
 
 log = logging.getLogger("meshgate.dns.worker")
 
-READY_TIMEOUT = 20.0
-STOP_TIMEOUT = 3.0
-RESTART_BACKOFF = 0.2
-RESTART_BACKOFF_MAX = 30.0
-STABLE_AFTER = 60.0  # a worker that ran this long before exiting restarts with the shortest backoff
 _ID = struct.Struct("!I")
 LOG_PENDING = 10000  # query log entries a worker holds for its next G frame
 
@@ -198,19 +194,7 @@ class WorkerPool:
     async def _spawn(self, w: _Worker) -> None:
         loop = asyncio.get_running_loop()
         parent, child = socket.socketpair()
-        # A worker needs no secret: its config copy has none, and its environment must not either
-        # (a worker's /proc/PID/environ is readable by the same user, and it parses untrusted input).
-        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
-        # The worker imports the same meshgate tree as this process (a checkout or a git ref's copy).
-        root = str(Path(meshgate.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        try:
-            w.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "meshgate.dns.worker", str(child.fileno()),
-                pass_fds=(child.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
-            )
-        finally:
-            child.close()
+        w.proc = await spawn("meshgate.dns.worker", [child])
         reader, writer = await asyncio.open_unix_connection(sock=parent)
         w.writer = writer
         w.started_at = loop.time()
@@ -223,51 +207,25 @@ class WorkerPool:
         w.task = loop.create_task(self._run(w, reader))
 
     async def _run(self, w: _Worker, reader: asyncio.StreamReader) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             got = await read_frame(reader)
             if got is None:
                 break
             kind, payload = got
-            if kind == b"M":
-                w.merge.apply(payload)
-            elif kind == b"Q":
+            if common_frame(w, kind, payload):
+                continue
+            if kind == b"Q":
                 self._ask(w, payload)
             elif kind == b"G":
                 self._logged(w, payload)
-            elif kind == b"R" and w.ready is not None and not w.ready.done():
-                w.ready.set_result(None)
-            elif kind == b"E":
-                text = payload.decode(errors="replace")
-                if not self.started and w.ready is not None and not w.ready.done():
-                    w.ready.set_exception(StartupError(text))
-                else:
-                    log.error("%s", text)  # a restart that failed: retried after the backoff
         if w.writer is not None:
             w.writer.close()
             w.writer = None
-        assert w.proc is not None
-        code = await w.proc.wait()
-        if not self.started:  # the node's start fails (and stops the pool); no restarts
-            if w.ready is not None and not w.ready.done():
-                w.ready.set_exception(StartupError(f"dns worker {w.index} exited with {code} while starting"))
-            return
-        if self.stopping:
-            return
-        ran = loop.time() - w.started_at
-        delay = RESTART_BACKOFF if ran >= STABLE_AFTER else min(
-            RESTART_BACKOFF * 2 ** min(w.restarts, 16), RESTART_BACKOFF_MAX)
-        w.restarts += 1
+        await after_exit(w, "dns", self.started, lambda: self.stopping, self._respawn)
+
+    async def _respawn(self, w: _Worker) -> None:
         _worker_restarts.labels(str(w.index)).inc()
-        log.warning("dns worker %d (pid %d) exited with %s after %.1fs; restarting in %.1fs",
-                    w.index, w.proc.pid, code, ran, delay)
-        await asyncio.sleep(delay)
-        if self.stopping:
-            return
-        try:
-            await self._spawn(w)
-        except OSError as e:
-            log.error("dns worker %d: cannot restart: %s", w.index, e)
+        await self._spawn(w)
 
     def _logged(self, w: _Worker, payload: bytes) -> None:
         """A worker's query log entries into this process's log (their own times kept)."""

@@ -53,11 +53,8 @@ import os
 import pickle
 import socket
 import struct
-import sys
-from pathlib import Path
 from typing import Any
 
-import meshgate
 from meshgate import replies
 from meshgate.config import Config, DnsConfig, LimitsConfig, MeshConfig, User
 from meshgate.egress.dialer import Dialer, DialError
@@ -67,15 +64,22 @@ from meshgate.gateway import socks5
 from meshgate.gateway.server import HANDED_OVER, Socks5Server
 from meshgate.logs import RateLimitedLog
 from meshgate.policy import in_any
-from meshgate.workerproc import SECRET_ENV, CounterMerge, WorkerSlot, frame, read_frame, stop_workers
+from meshgate.workerproc import (
+    READY_TIMEOUT,
+    STOP_TIMEOUT,
+    CounterMerge,
+    WorkerSlot,
+    after_exit,
+    common_frame,
+    frame,
+    read_frame,
+    spawn,
+    stop_workers,
+)
 
 log = logging.getLogger("meshgate.gateway.workers")
 _rlog = RateLimitedLog(log)
 
-READY_TIMEOUT = 20.0
-STOP_TIMEOUT = 3.0
-RESTART_BACKOFF = 0.2
-RESTART_BACKOFF_MAX = 30.0
 MAX_HANDOVER = 64 * 1024  # request + what the client sent behind it (the worker reads one buffer)
 
 LOCAL, MESH, REFUSE = 0, 1, 2
@@ -176,19 +180,7 @@ class SocksWorkerPool:
         loop = asyncio.get_running_loop()
         parent, child = socket.socketpair()
         hand_parent, hand_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # no secret in a worker's environment either (it parses untrusted input)
-        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
-        root = str(Path(meshgate.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        try:
-            w.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "meshgate.gateway.worker", str(child.fileno()),
-                str(hand_child.fileno()),
-                pass_fds=(child.fileno(), hand_child.fileno()), env=env, stdin=asyncio.subprocess.DEVNULL,
-            )
-        finally:
-            child.close()
-            hand_child.close()
+        w.proc = await spawn("meshgate.gateway.worker", [child, hand_child])
         hand_parent.setblocking(False)
         w.handover = hand_parent
         loop.add_reader(hand_parent.fileno(), self._handed_over, w)
@@ -248,46 +240,15 @@ class SocksWorkerPool:
             client.close()
 
     async def _run(self, w: _Worker, reader: asyncio.StreamReader) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             got = await read_frame(reader)
             if got is None:
                 break
             kind, payload = got
-            if kind == b"Q":
+            if not common_frame(w, kind, payload) and kind == b"Q":
                 self._ask(w, payload)
-            elif kind == b"M":
-                w.merge.apply(payload)
-            elif kind == b"R" and w.ready is not None and not w.ready.done():
-                w.ready.set_result(None)
-            elif kind == b"E":
-                text = payload.decode(errors="replace")
-                if w.ready is not None and not w.ready.done():
-                    w.ready.set_exception(StartupError(text))
-                else:
-                    log.error("%s", text)
         self._close_channels(w)
-        assert w.proc is not None
-        code = await w.proc.wait()
-        if not self.started:
-            if w.ready is not None and not w.ready.done():
-                w.ready.set_exception(StartupError(
-                    f"socks5 worker {w.index} exited with {code} while starting"))
-            return
-        if self.stopping:
-            return
-        ran = loop.time() - w.started_at
-        delay = RESTART_BACKOFF if ran >= 60 else min(RESTART_BACKOFF * 2 ** min(w.restarts, 16),
-                                                      RESTART_BACKOFF_MAX)
-        w.restarts += 1
-        log.warning("socks5 worker %d (pid %d) exited with %s after %.1fs; restarting in %.1fs",
-                    w.index, w.proc.pid, code, ran, delay)
-        await asyncio.sleep(delay)
-        if not self.stopping:
-            try:
-                await self._spawn(w)
-            except OSError as e:
-                log.error("socks5 worker %d: cannot restart: %s", w.index, e)
+        await after_exit(w, "socks5", self.started, lambda: self.stopping, self._spawn)
 
     def _close_channels(self, w: _Worker) -> None:
         if w.writer is not None:
