@@ -33,7 +33,7 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,21 +210,29 @@ def _table(names: set[bytes] | NameTable) -> NameTable:
     return names if isinstance(names, NameTable) else NameTable.of(names)
 
 
-def parse_text(lines: Iterable[str], *, allowlist: bool = False) -> Parsed:
-    """Every line of a list; in an allowlist (`allowlist`) every rule allows."""
-    block: set[bytes] = set()
-    allow: set[bytes] = set()
-    malformed = 0
+def _rules(lines: Iterable[str], allowlist: bool) -> Iterator[tuple[bool, list[bytes]] | None]:
+    """(is an allow rule, its names) per rule line, None per malformed line; comments skipped."""
     for line in lines:
         try:
             got = parse_line(line)
         except Malformed:
+            yield None
+            continue
+        if got is not None:
+            kind, names = got
+            yield allowlist or kind == ALLOW, names
+
+
+def parse_text(lines: Iterable[str], *, allowlist: bool = False) -> Parsed:
+    """Every line of a list into sets of names; in an allowlist (`allowlist`) every rule allows."""
+    block: set[bytes] = set()
+    allow: set[bytes] = set()
+    malformed = 0
+    for rule in _rules(lines, allowlist):
+        if rule is None:
             malformed += 1
-            continue
-        if got is None:
-            continue
-        kind, names = got
-        (allow if allowlist or kind == ALLOW else block).update(names)
+        else:
+            (allow if rule[0] else block).update(rule[1])
     return Parsed(block, allow, malformed)
 
 
@@ -232,27 +240,22 @@ def parse_compact(lines: Iterable[str], *, allowlist: bool = False) -> Parsed:
     """parse_text straight into NameTables: each name is hashed as its line is read, so loading
     a big list never holds a set of all its names (the peak while loading a million-domain file
     is the hashes and their sort, not ~130 MB of names)."""
-    block = array.array("q")
-    allow = array.array("q")
+    hashes = (array.array("q"), array.array("q"))  # block rules, allow rules
     labels = [0, 0]  # most labels of a block rule, of an allow rule
     malformed = 0
-    for line in lines:
-        try:
-            got = parse_line(line)
-        except Malformed:
+    for rule in _rules(lines, allowlist):
+        if rule is None:
             malformed += 1
             continue
-        if got is None:
-            continue
-        kind, names = got
-        side = 1 if allowlist or kind == ALLOW else 0
-        target = allow if side else block
-        for name in names:
+        side = int(rule[0])
+        target = hashes[side]
+        for name in rule[1]:
             target.append(hash(name))
             n = _label_count(name)
             if n > labels[side]:
                 labels[side] = n
-    return Parsed(NameTable.of_hashes(block, labels[0]), NameTable.of_hashes(allow, labels[1]), malformed)
+    return Parsed(NameTable.of_hashes(hashes[0], labels[0]), NameTable.of_hashes(hashes[1], labels[1]),
+                  malformed)
 
 
 class ListFile:
