@@ -98,14 +98,14 @@ class MeshDnsRoutes:
         self.client = client
         self.servers = servers
         self.own = own
-        self._key: tuple[object, int] | None = None
+        self._generation: object = None
+        self._configured: RouteTable | None = None  # held: an id() of a freed table can recur
         self._table: RouteTable | None = None
         self._upstreams: dict[tuple[int, str], MeshDnsUpstream] = {}
 
     def table(self, configured: RouteTable) -> RouteTable:
         generation, servers = self.servers()
-        key = (generation, id(configured))
-        if key == self._key and self._table is not None:
+        if generation == self._generation and configured is self._configured and self._table is not None:
             return self._table
         routes = dict(configured.routes)
         for suffix in self.own:  # served here: answered as this node's config says
@@ -124,7 +124,7 @@ class MeshDnsRoutes:
             routes[name] = UpstreamGroup(suffix, ups)
         self._upstreams = used  # nodes gone from the table are dropped with it
         self._table = RouteTable(configured.default, routes)
-        self._key = key
+        self._generation, self._configured = generation, configured
         return self._table
 
 

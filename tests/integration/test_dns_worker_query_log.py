@@ -3,7 +3,6 @@ node's ring and file too (they were in neither). Real worker process, dnspython 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -63,7 +62,6 @@ async def test_worker_questions_are_in_the_nodes_ring_and_file(tmp_path: Path) -
         assert max(times) - min(times) < 60
     finally:
         await node.stop()
-    await asyncio.sleep(0)
 
 
 def test_log_frames_round_trip() -> None:
