@@ -82,14 +82,19 @@ async def test_a_stream_running_when_the_direct_link_comes_moves_to_it_in_order(
     srv, port = await sha_server()
     try:
         data = os.urandom(48 << 20)
-        forwarded = REGISTRY.value("meshgate_mesh_frames_forwarded_total")
         task = asyncio.ensure_future(_sha(a, c, port, data))
         await async_wait_until(lambda: _direct(a, c) or task.done(), 20, "direct link during the transfer")
         assert not task.done()
+        # the route takes the direct link once both ends' records list it (up to
+        # FIRST_RTT_WAIT + ORIGINATE_GAP later, by design): then the stream moves
+        await async_wait_until(lambda: a.stats["streams_moved"] >= 1 or task.done(), 10, "the move")
+        assert not task.done(), "the transfer ended before its stream moved"
+        forwarded = REGISTRY.value("meshgate_mesh_frames_forwarded_total")
         assert await task == hashlib.sha256(data).digest()
-        assert a.stats["streams_moved"] >= 1
-        # the data frames it sent through b: far fewer than the 48 MiB's ~770
-        assert REGISTRY.value("meshgate_mesh_frames_forwarded_total") - forwarded < 600
+        # after the move b carries at most what was in flight (one 1 MiB window: 16 frames),
+        # not the rest of the data (the 48 MiB are ~770 frames; a bound on the whole run, < 600,
+        # failed at 623 when the direct route came late beside a fast transfer)
+        assert REGISTRY.value("meshgate_mesh_frames_forwarded_total") - forwarded < 32
     finally:
         srv.close()
         await stop_all(nodes)
