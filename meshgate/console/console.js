@@ -264,9 +264,12 @@ function drawDns(dns) {
     };
     const q = rates(get("queries")), e = rates(get("errors"));
     const old = samples.length > span ? samples[samples.length - 1 - span] : null;
-    const dq = old && get("queries")(old) !== undefined ? u.queries - get("queries")(old) : u.queries;
-    const de = old && get("errors")(old) !== undefined ? u.errors - get("errors")(old) : u.errors;
-    const health = dq === 0 && de === 0 ? "idle" : de === 0 ? "ok" : de >= dq ? "failing" : "degraded";
+    const delta = (field) => (old && get(field)(old) !== undefined ? u[field] - get(field)(old) : u[field]);
+    // From outcomes, not from queries sent: a question still in flight at the newest sample
+    // (its timeout not counted yet) must not turn an upstream that never answers "degraded".
+    const da = delta("answers"), de = delta("errors");
+    const health = da === 0 && de === 0 ? (delta("queries") ? "waiting" : "idle")
+      : de === 0 ? "ok" : da === 0 ? "failing" : "degraded";
     const tr = el("tr");
     cell(tr, u.url);
     cell(tr, fmtRate(last(q)), "num");

@@ -49,6 +49,7 @@ def _dns(fams: dict[str, CounterFamily], upstreams: list[str]) -> dict[str, Any]
             if c.value:
                 errors.setdefault(url, {})[reason] = c.value
     sent = _by_label(fams, "meshgate_dns_upstream_queries_total", 0)
+    answered = _by_label(fams, "meshgate_dns_upstream_answers_total", 0)
     upstreams = list(dict.fromkeys([*upstreams, *sent, *errors]))  # [[dns.route]]'s upstreams too
     return {
         "queries": _total(fams, "meshgate_dns_queries_total"),
@@ -57,7 +58,8 @@ def _dns(fams: dict[str, CounterFamily], upstreams: list[str]) -> dict[str, Any]
         "cache_misses": _total(fams, "meshgate_dns_cache_misses_total"),
         "blocked": _total(fams, "meshgate_dns_blocked_total"),
         "upstreams": [
-            {"url": url, "queries": sent.get(url, 0), "errors": sum(errors.get(url, {}).values()),
+            {"url": url, "queries": sent.get(url, 0), "answers": answered.get(url, 0),
+             "errors": sum(errors.get(url, {}).values()),
              "errors_by_reason": errors.get(url, {})}
             for url in upstreams
         ],

@@ -80,6 +80,10 @@ _upstream_errors = REGISTRY.counter(
 _upstream_queries = REGISTRY.counter(
     "meshgate_dns_upstream_queries_total", "Queries sent upstream", ("upstream",)
 )
+_upstream_answers = REGISTRY.counter(
+    "meshgate_dns_upstream_answers_total", "Upstream exchanges that returned a valid response (any rcode)",
+    ("upstream",),
+)
 _blocked = REGISTRY.counter(
     "meshgate_dns_blocked_total", "Questions answered by [dns.blocklist] instead of being resolved",
     ("reason",)
@@ -403,6 +407,7 @@ class Pipeline:
                 _upstream_errors.labels(up.url, reason).inc()
                 rlog.debug(f"up-{reason} {up.url}", "dns: upstream %s failed: %r", up.url, e)
                 continue
+            _upstream_answers.labels(up.url).inc()
             if ans.rcode in (wire.SERVFAIL, wire.REFUSED) and i + 1 < n:
                 continue  # another upstream may do better
             group.preferred = idx

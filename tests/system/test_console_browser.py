@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
@@ -201,6 +202,13 @@ async def test_the_console_shows_the_mesh_and_live_charts(tour: dict[str, Any]) 
         assert seen["reloadHidden"]  # a token is configured, none typed yet
         assert seen["blocked"] >= 1 and seen["hit"].endswith("%") and seen["hit"] != "0 %"
         assert seen["health"][tour["upstream"]] == "ok" and seen["health"][tour["dead"]] == "failing"
+        # the health comes from exchanges that ended: the dead one has failures and no answer
+        # (a question still waiting for its timeout made it "degraded" before)
+        stats = json.loads(await asyncio.to_thread(
+            lambda: urllib.request.urlopen(tour["url"] + "console/stats", timeout=10).read()))
+        ups = {u["url"]: u for u in stats["dns"]["upstreams"]}
+        assert ups[tour["dead"]]["answers"] == 0 and ups[tour["dead"]]["errors"] >= 1
+        assert ups[tour["upstream"]]["answers"] >= 1 and ups[tour["upstream"]]["errors"] == 0
         assert '"secret": "***"' in text and SECRET not in text and TOKEN not in text
         png = await page.screenshot()
 
