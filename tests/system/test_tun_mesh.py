@@ -88,7 +88,8 @@ def rules(t: Topology, role: str, fam: str = "-4") -> list[str]:
 
 
 def test_ping_virtual_ip_through_relay(topo: Topology) -> None:
-    r = topo.tool("a", "ping", "10.144.144.3", "--count", "3")
+    # each reply may take up to 3 s: on a loaded host (load 17 in CI once) 1 s was not always enough
+    r = topo.tool("a", "ping", "10.144.144.3", "--count", "3", "--timeout", "3")
     assert r["replies"] == 3, r
     r6 = topo.wait_ping("a", "fd00:144::3", timeout=10)
     assert r6["replies"] == 1
@@ -255,7 +256,7 @@ def test_tun_over_udp_links(tmp_path: Path) -> None:
         t.spawn("lan-echo", "lan", [sys.executable, "-m", "tests.system.tun_tools", "echo-server",
                                     "--tcp", f"0.0.0.0:{PORT}", "--udp", f"0.0.0.0:{PORT}"])
         t.start_line("udp mesh")
-        assert t.tool("a", "ping", "10.144.144.3", "--count", "3")["replies"] == 3
+        assert t.tool("a", "ping", "10.144.144.3", "--count", "3", "--timeout", "3")["replies"] == 3
         links = t.nsexec("a", "ss", "-Huanie", "dst", "172.31.9.2").stdout
         assert "fwmark:0x4d47" in links, f"A's udp link socket is not marked: {links}"
         wait_until(lambda: "10.1.2.0/24" in t.ip("a", "route", "show", "proto", "77").stdout, timeout=10,
