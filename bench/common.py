@@ -68,13 +68,16 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 # --------------------------------------------------------------------------- /proc readers
 
 
-def proc_cpu_seconds(pid: int, children: bool = True) -> float:
-    """utime+stime of `pid` (plus its reaped children's, if `children`) in seconds."""
+def proc_cpu_seconds(pid: int, children: bool = True, kernel: bool = False) -> float:
+    """utime+stime of `pid` (plus its reaped children's, if `children`) in seconds; with
+    `kernel` stime alone (the CPU spent in system calls and the network stack)."""
     with open(f"/proc/{pid}/stat") as f:
         text = f.read()
     # The command name (field 2) may contain spaces; the rest follows its ')'.
     fields = text[text.rindex(")") + 2 :].split()
     utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    if kernel:
+        utime = cutime = 0
     ticks = utime + stime + ((cutime + cstime) if children else 0)
     return ticks / _CLK_TCK
 
@@ -91,11 +94,11 @@ def proc_tree_pids(pid: int) -> list[int]:
     return out
 
 
-def proc_tree_cpu_seconds(pid: int) -> float:
+def proc_tree_cpu_seconds(pid: int, kernel: bool = False) -> float:
     total = 0.0
     for p in proc_tree_pids(pid):
         with contextlib.suppress(OSError):  # exited between listing and reading
-            total += proc_cpu_seconds(p, children=(p == pid))
+            total += proc_cpu_seconds(p, children=(p == pid), kernel=kernel)
     return total
 
 
@@ -216,6 +219,7 @@ class Peer:
     ready_text: str | None = None  # wait for this in the output instead of the port (no listener)
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _cpu0: float = field(default=0.0, init=False)
+    _kernel0: float = field(default=0.0, init=False)
     _log: Any = field(default=None, init=False)
 
     def start(self, timeout: float = 15.0) -> Peer:
@@ -241,6 +245,7 @@ class Peer:
             self.stop()
             raise RuntimeError(f"peer {self.name} did not start: {err}") from None
         self._cpu0 = self.cpu_seconds()
+        self._kernel0 = self.kernel_cpu_seconds()
         return self
 
     def _wait_output(self, text: str, timeout: float) -> None:
@@ -275,6 +280,10 @@ class Peer:
     def cpu_seconds(self) -> float:
         """CPU used by the whole process tree since start() returned."""
         return proc_tree_cpu_seconds(self.pid) - self._cpu0
+
+    def kernel_cpu_seconds(self) -> float:
+        """The part of cpu_seconds() spent in the kernel (system calls, the network stack)."""
+        return proc_tree_cpu_seconds(self.pid, kernel=True) - self._kernel0
 
     def peak_rss_kib(self) -> int:
         return proc_tree_peak_rss_kib(self.pid)

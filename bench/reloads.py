@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 
-def meshgate_conf(socks: int, http: int, admin: int, flip: int) -> str:
-    """SOCKS5, the HTTP proxy and the admin API on these ports; `flip` 0 or 1 picks the version."""
+def meshgate_conf(socks: int, http: int, admin: int, flip: int, state_dir: Path) -> str:
+    """SOCKS5, the HTTP proxy and the admin API on these ports; `flip` 0 or 1 picks the version.
+    `state_dir` is the node's own: the default one may be held by another node on this machine."""
     records = ", ".join(f'"host{i}.bench.test" = "192.0.2.{(i + flip) % 250 + 1}"' for i in range(64))
     deny = '"198.51.100.0/24"' if flip else '"203.0.113.0/24"'
     return (
-        f'log_level = "warning"\n[socks5]\nlisten = "127.0.0.1:{socks}"\nmax_clients = 4096\n'
+        f'log_level = "warning"\n[node]\nstate_dir = "{state_dir}"\n'
+        f'[socks5]\nlisten = "127.0.0.1:{socks}"\nmax_clients = 4096\n'
         f'[http_proxy]\nenable = true\nlisten = "127.0.0.1:{http}"\n'
         f"[exit]\ndeny = [{deny}]\n"
         f"[dns]\nrecords = {{ {records} }}\n"
@@ -35,7 +37,7 @@ def meshgate_conf(socks: int, http: int, admin: int, flip: int) -> str:
 
 def reload_once(conf: Path, ports: tuple[int, int, int], flip: int) -> float:
     """Rewrite `conf` as version `flip`, make the node reload it; milliseconds, or an error."""
-    conf.write_text(meshgate_conf(*ports, flip))
+    conf.write_text(meshgate_conf(*ports, flip, conf.parent / "state"))
     t0 = time.perf_counter()
     c = http.client.HTTPConnection("127.0.0.1", ports[2], timeout=10)
     try:

@@ -9,7 +9,9 @@ order (bench/common.py): one Python client, speaking SOCKS5 or HTTP CONNECT
   SIZE bytes (default 1 GiB each way); MB/s each way, and the proxy's CPU
   seconds per GiB moved (both directions) and peak RSS;
 * rate: 50 concurrent clients loop CONNECT + one 64-byte request and a 64-byte
-  response for a fixed time; completed connections per second. The target
+  response for a fixed time; completed connections per second, and the proxy's
+  CPU ms per connection (`sys ms/conn`: the part of it spent in the kernel, which
+  any proxy pays for its accepts, connects, reads and writes). The target
   closes first (dante runs out of local ports otherwise, see
   bench/peers/README.md).
 
@@ -90,7 +92,7 @@ def start_meshgate(port: int, workdir: str) -> Peer:
     """One meshgate process: SOCKS5 on `port`, the HTTP proxy and the admin API beside it."""
     HTTP_PORT[port], ADMIN_PORT[port] = free_port(), free_port()
     conf = Path(workdir, "meshgate.toml")
-    conf.write_text(meshgate_conf(port, HTTP_PORT[port], ADMIN_PORT[port], 0))
+    conf.write_text(meshgate_conf(port, HTTP_PORT[port], ADMIN_PORT[port], 0, conf.parent / "state"))
     argv = [*PIN, sys.executable, "-m", "meshgate", "run", "-c", str(conf), "--loop", "uvloop"]
     return Peer("meshgate", argv, port=port, cwd=str(ROOT)).start()
 
@@ -271,6 +273,7 @@ def main() -> int:
                         "up MB/s": size / up / 1e6,
                     }
                     cpu1 = peer.cpu_seconds() if peer else 0.0
+                    kernel1 = peer.kernel_cpu_seconds() if peer else 0.0
                     out.update(conn_rate(proxy, rr_target, args.clients, args.seconds, kind=kind))
                 if reloader is not None:
                     out["reloads"] = float(len(reloader.times))
@@ -281,6 +284,11 @@ def main() -> int:
                     # machine, where conn/s and MB/s move with the contention.
                     conns = out["conn/s"] * args.seconds
                     out["cpu ms/conn"] = (peer.cpu_seconds() - cpu1) / conns * 1e3 if conns else float("nan")
+                    # the part of it in the kernel (accept, connect, reads, writes, close): what
+                    # a proxy in any language pays; the rest is the proxy's own work
+                    out["sys ms/conn"] = (
+                        (peer.kernel_cpu_seconds() - kernel1) / conns * 1e3 if conns else float("nan")
+                    )
                     out["rss MiB"] = peer.peak_rss_kib() / 1024
                 return out
 
@@ -293,7 +301,7 @@ def main() -> int:
             if (name == "direct" and selected(args, name)) or wanted:
                 runner.add(name, variant(name))
         runner.run()
-        ratios = ["down MB/s", "up MB/s", "conn/s", "cpu s/GiB", "cpu ms/conn"]
+        ratios = ["down MB/s", "up MB/s", "conn/s", "cpu s/GiB", "cpu ms/conn", "sys ms/conn"]
         report([runner], args.json, ratio_metrics=ratios)
         _targets(runner)
         _http_and_reloads(runner, idle_reloads)
