@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -150,18 +150,23 @@ async def test_a_frame_whose_header_lies_is_not_relayed(line: list[MeshService])
 
 
 async def test_a_link_that_goes_is_not_used_before_the_routes_are_rebuilt(line: list[MeshService]) -> None:
-    """c dials a second link to b, then b's first one to c goes: a frame b relays the moment
-    it took the old link down (before any route build) takes the link there is."""
+    """c dials a second link to b, and b's first one to c goes before b re-originates or
+    rebuilds (within ORIGINATE_DELAY): a frame b relays then takes the link there is, not the
+    one its cache held."""
     a, b, c = line
     at_c = _record(c)
     from_a = _link(b, a)
-    first = os.urandom(40)
-    b.on_frame(from_a, SEALED, 0, DEFAULT_HOP_LIMIT, a.node_id, c.node_id, memoryview(first))
+    b.on_frame(from_a, SEALED, 0, DEFAULT_HOP_LIMIT, a.node_id, c.node_id, memoryview(os.urandom(40)))
     old = _link(b, c)
     assert old in b._route_cache.values()
+    await async_wait_until(lambda: b._originate_timer is None and not b.table.dirty, 5, "quiet routes")
+    version = b.table.version
     c.set_peers((*c.config.mesh.peers, SPARE[c.node_id]))
-    await async_wait_until(lambda: len(b.links.get(c.node_id, ())) == 2, 10, "a second link")
-    await _take_down(b, old)
+    await _turns_until(b, lambda: len(b.links.get(c.node_id, ())) == 2)
+    assert old.transport is not None
+    old.transport.close()
+    await _turns_until(b, lambda: old not in b.links.get(c.node_id, ()))
+    assert b.table.version == version  # no build since: only the cache's clearing decides
     then = os.urandom(40)
     b.on_frame(from_a, SEALED, 0, DEFAULT_HOP_LIMIT, a.node_id, c.node_id, memoryview(then))
     await async_wait_until(lambda: bool(_forged(at_c, then)), 5, "through the second link")
@@ -195,8 +200,13 @@ async def _take_down(node: MeshService, link: Link) -> None:
     await async_wait_until(lambda: node._originate_timer is None and not node.table.dirty, 5, "quiet routes")
     version = node.table.version
     link.transport.close()
-    deadline = node.loop.time() + 5
-    while link in node.links.get(peer, ()):
-        assert node.loop.time() < deadline, "the link was not taken down"
-        await asyncio.sleep(0)  # every loop turn: well within ORIGINATE_DELAY
+    await _turns_until(node, lambda: link not in node.links.get(peer, ()))
     assert node.table.version == version
+
+
+async def _turns_until(node: MeshService, cond: Callable[[], bool]) -> None:
+    """Wait for `cond` checking it every loop turn (well within ORIGINATE_DELAY), 5 s at most."""
+    deadline = node.loop.time() + 5
+    while not cond():
+        assert node.loop.time() < deadline, "timed out"
+        await asyncio.sleep(0)
