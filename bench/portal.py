@@ -17,7 +17,9 @@ Sections:
 * **main** (alternating paired rounds, bench/common.Runner): bulk MB/s
   download and upload of SIZE MiB through A's portal to the one-hop and the
   two-hop target; CPU seconds per GiB moved for A, B and C (from /proc);
-  64-byte ping-pong RTT on one connection; connections per second of CONNECT
+  64-byte ping-pong RTT on one connection (p50, p99) and the CPU microseconds
+  A, B and C spent per round trip of it (from /proc, 10 ms ticks: read the
+  medians over rounds); connections per second of CONNECT
   + one 64-byte request/response with 20 and 50 concurrent clients; peak RSS
   of each node. EasyTier's core runs inside a Python interpreter
   (easytier_node.py), so its rows also show that interpreter apart: every
@@ -229,7 +231,13 @@ def main_round(line: Line, targets: Targets, size: int, seconds: float, clients:
         out[f"{hops}hop up MB/s"] = size / up / 1e6
         for n in "abc":
             out[f"{hops}hop {n.upper()} cpu s/GiB"] = (cpu1[n] - cpu0[n]) / (2 * size / GIB)
-        out[f"{hops}hop rtt us p50"] = echo_rtt(line.socks, bulk, rtt_count)["rtt_us_p50"]
+        cpu0 = line.cpu()
+        rtt = echo_rtt(line.socks, bulk, rtt_count)
+        cpu1 = line.cpu()
+        out[f"{hops}hop rtt us p50"] = rtt["rtt_us_p50"]
+        out[f"{hops}hop rtt us p99"] = rtt["rtt_us_p99"]
+        for n in "abc":  # what one small request and its answer cost each node (a relay: B at 2 hops)
+            out[f"{hops}hop {n.upper()} cpu us/rtt"] = (cpu1[n] - cpu0[n]) / rtt_count * 1e6
         errors = 0.0
         for c in clients:
             m = conn_rate(line.socks, rr, c, seconds)

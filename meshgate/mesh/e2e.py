@@ -177,6 +177,20 @@ class E2e:
         out.append(self._sealed(s, ftype, flags, body, datagram))
         return out, False
 
+    def seal_now(
+        self, peer: int, ftype: int, flags: int, head: bytes | bytearray | memoryview,
+        data: bytes | bytearray | memoryview,
+    ) -> tuple[bytes, bytes] | None:
+        """A stream frame (body `head` + `data`) sealed for `peer` when its session is up, as the
+        SEALED body's two parts (index and record header, ciphertext: sent as they are, not joined
+        first), or None: `seal` then (no session yet, the frame waits). The bytes are `seal`'s."""
+        s = self.sessions.get(peer)
+        if s is None or s.send is None:
+            return None
+        self.sessions.move_to_end(peer)
+        header, ct = s.send.seal(b"".join((INNER.pack(ftype, flags), head, data)))
+        return INDEX.pack(s.peer_index) + header, ct
+
     def _sealed(self, s: Session, ftype: int, flags: int, body: bytes, datagram: bool) -> tuple[int, bytes]:
         assert s.send is not None
         plain = body if datagram else INNER.pack(ftype, flags) + body
@@ -289,8 +303,9 @@ class E2e:
             return None
         return expected
 
-    def open(self, src: int, body: memoryview, datagram: bool) -> tuple[int, int, bytes]:
-        """A sealed frame from `src`: (inner type, inner flags, inner body). E2eError to drop."""
+    def open(self, src: int, body: memoryview, datagram: bool) -> tuple[int, int, memoryview]:
+        """A sealed frame from `src`: (inner type, inner flags, inner body, a view of the opened
+        plaintext: not copied again). E2eError to drop."""
         if len(body) < INDEX.size + RECORD.size + TAG:
             raise E2eError("malformed")
         s = self.by_index.get(INDEX.unpack_from(body)[0])
@@ -301,10 +316,10 @@ class E2e:
         plain = s.recv.open(body[hstart:hstart + RECORD.size], epoch, counter, body[hstart + RECORD.size:])
         if plain is None:
             raise E2eError("forged_or_replayed")
-        self._touch(s)
+        self.sessions.move_to_end(src)  # _touch, inline: once per frame received
         if datagram:
-            return DATAGRAM, 0, plain
+            return DATAGRAM, 0, memoryview(plain)
         if len(plain) < INNER.size:
             raise E2eError("malformed")
         ftype, flags = INNER.unpack_from(plain)
-        return ftype, flags, plain[INNER.size:]
+        return ftype, flags, memoryview(plain)[INNER.size:]

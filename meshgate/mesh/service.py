@@ -109,7 +109,10 @@ _datagrams = REGISTRY.counter("meshgate_mesh_datagrams_total", "Mesh datagrams",
 _links_closed = REGISTRY.counter(
     "meshgate_mesh_links_closed_total", "Mesh links this node closed on its own", ("reason",)
 )
-_forwarded = REGISTRY.counter("meshgate_mesh_frames_forwarded_total", "Frames relayed for other nodes")
+# the family's one child, bound once: a relayed frame counts without the family's label lookup
+_forwarded = REGISTRY.counter(
+    "meshgate_mesh_frames_forwarded_total", "Frames relayed for other nodes"
+).labels()
 _e2e_dropped = REGISTRY.counter(
     "meshgate_mesh_e2e_dropped_total", "End-to-end frames and session set-ups dropped", ("reason",)
 )
@@ -262,6 +265,13 @@ class MeshService:
         # link made by traversal) or a second link to the same neighbour would let later bytes
         # overtake earlier ones still on the way: far node -> (sid, opened here) -> link
         self._pinned: dict[int, dict[tuple[int, bool], LinkBase]] = {}
+        # _route_link's answers while the routes (table.version) and the links stay as they are:
+        # key `_route_key(dst, flags)` -> link. Only a next hop with one link is kept (with more,
+        # _best_link weighs write_paused and latency, which move by themselves); cleared on every
+        # link added or removed (_links_changed) and on every route build. At most two entries per
+        # node with a route: bounded by limits.route_records like the table
+        self._route_cache: dict[int, LinkBase] = {}
+        self._route_cache_version = -1
         self._stay: set[tuple[int, int, bool]] = set()  # streams whose peer did not help them move
         self._ticks = 0
         self._running = False
@@ -510,6 +520,7 @@ class MeshService:
         if self.traversal is not None:
             self.traversal.link_up(link)
         links.append(link)
+        self._links_changed()
         link.up_at = self.loop.time()
         _links_gauge.inc()
         log.info("mesh link up: %s (%s %08x)", link.url, peer.name, peer.node_id)
@@ -545,6 +556,7 @@ class MeshService:
         self._link_gone(link)
         if links and link in links:
             links.remove(link)
+            self._links_changed()
             _links_gauge.dec()
             log.info("mesh link down: %s (%s %08x)", link.url, peer.name, peer.node_id)
             if not links:
@@ -552,6 +564,10 @@ class MeshService:
                 self.table.neighbour_down(peer.node_id)
             self._update_neighbours()
             self._schedule_sync()
+
+    def _links_changed(self) -> None:
+        """A link was added to or removed from `links`: routes cached on the old set go."""
+        self._route_cache.clear()
 
     def _best_link(self, nid: int) -> LinkBase | None:
         links = self.links.get(nid)
@@ -675,6 +691,7 @@ class MeshService:
                 links = self.links.get(ident.node_id)
                 if links and link in links:
                     links.remove(link)
+                    self._links_changed()
                     self._forget_link(link)  # before abort: what it still held is counted
                     link.abort()
         gone = [o for o, r in self.table.records.items()
@@ -725,11 +742,13 @@ class MeshService:
                     self.stats["link_dead"] += 1
                     log.info("mesh link %s silent for %.1fs; closing", link.url, now - link.last_rx)
                     links.remove(link)  # withdraw now; connection_lost may come later
+                    self._links_changed()
                     self._forget_link(link)  # before abort: what it still held is counted
                     link.abort()
                     continue
                 if self._stalled(link, now):
                     links.remove(link)
+                    self._links_changed()
                     self._forget_link(link)
                     link.abort()
                     continue
@@ -920,7 +939,11 @@ class MeshService:
             _rlog.debug(f"hop:{src}", "frame %08x->%08x hit the hop limit", src, dst)
             self._refuse_relayed_open(ftype, src, dst, body, TTL_EXPIRED)
             return
-        out = self._route_link(dst, flags)
+        # the route cache inline (the relay's hot path; _route_link keeps it)
+        out = (self._route_cache.get(dst | (flags & FLAG_LATENCY) << 31)
+               if self._route_cache_version == self.table.version else None)
+        if out is None:
+            out = self._route_link(dst, flags)
         if out is None:
             _frames_dropped.labels("no_route").inc()
             _rlog.debug(f"noroute:{dst}", "no route to %08x for a frame from %08x", dst, src)
@@ -955,11 +978,10 @@ class MeshService:
         assert link.peer is not None
         if ftype in (SEALED, DATAGRAM_SEALED):
             try:
-                ftype, flags, plain = self.e2e.open(src, body, ftype == DATAGRAM_SEALED)
+                ftype, flags, body = self.e2e.open(src, body, ftype == DATAGRAM_SEALED)
             except E2eError as e:
                 self._e2e_drop(e.reason, src, link)
                 return
-            body = memoryview(plain)
         elif ftype == E2E_INIT:
             self._on_e2e_init(link, src, flags, body)
             return
@@ -1048,6 +1070,25 @@ class MeshService:
         return p.next_hop if p is not None and p.hops else None
 
     def _route_link(self, dst: int, flags: int) -> LinkBase | None:
+        """The link a frame to `dst` leaves on (by least latency with FLAG_LATENCY), or None."""
+        cache = self._route_cache
+        version = self.table.version
+        if self._route_cache_version != version:
+            cache.clear()
+            self._route_cache_version = version
+        key = dst | (flags & FLAG_LATENCY) << 31  # FLAG_LATENCY is 2: bit 32, above any node id
+        link = cache.get(key)
+        if link is not None:
+            return link
+        link = self._find_route_link(dst, flags)
+        # kept only when it is its neighbour's one link, and only for this table version: a
+        # build (new routes) or a link added or removed changes the answer
+        if (link is not None and link.peer is not None and self._route_cache_version == self.table.version
+                and len(self.links.get(link.peer.node_id, ())) == 1):
+            cache[key] = link
+        return link
+
+    def _find_route_link(self, dst: int, flags: int) -> LinkBase | None:
         nh = self._next_hop(dst, flags)
         if nh is None and (self.table.dirty or self.table.unchecked):
             # a build is being held back (records still arriving), but someone needs
@@ -1083,6 +1124,10 @@ class MeshService:
         if link.peer.node_id != dst:  # relayed: sealed end to end
             if self.traversal is not None and ftype != TRAVERSAL:
                 self.traversal.relayed(dst)
+            sealed = self.e2e.seal_now(dst, ftype, flags, head, data)
+            if sealed is not None:  # the session is up: sealed in place, no queue or set-up
+                link.send_frame(SEALED, flags & FLAG_LATENCY, DEFAULT_HOP_LIMIT, self.node_id, dst, *sealed)
+                return True
             return self._send_sealed(link, dst, ftype, flags, bytes(head) + bytes(data), False)
         link.send_frame(ftype, flags, DEFAULT_HOP_LIMIT, self.node_id, dst, head, data)
         return True

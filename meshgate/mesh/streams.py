@@ -217,7 +217,8 @@ class MeshStream(asyncio.Transport):
             else:
                 self._send_buf += data
                 self._flush()
-        self._check_pause()
+        if self._send_buf or self._write_paused:  # else there is nothing to pause or resume
+            self._check_pause()
 
     def writelines(self, list_of_data: Any) -> None:
         for d in list_of_data:

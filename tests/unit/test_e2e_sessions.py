@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshgate.mesh.e2e import E2e, E2eError
-from meshgate.mesh.frames import DATAGRAM, DATAGRAM_SEALED, E2E_INIT, SEALED, STREAM_DATA
+from meshgate.mesh.frames import DATAGRAM, DATAGRAM_SEALED, E2E_INIT, SEALED, STREAM_DATA, SendCipher
 from meshgate.mesh.identity import Identity
 
 
@@ -118,3 +118,27 @@ def test_fuzz_never_raises_anything_but_its_own_error(data: bytes, kind: str) ->
             a.on_resp(ib.node_id, data)
         else:
             b.open(ia.node_id, memoryview(data), kind == "datagram")
+
+
+def test_seal_now_is_seal_in_two_parts_and_only_once_the_session_is_up() -> None:
+    """The send path's fast seal (E2e.seal_now) gives the bytes `seal` gives, as (index and
+    record header, ciphertext); with no session, or one still being set up, it gives nothing
+    and `seal` (which queues and sets up) has to be used."""
+    ia, a, ib, b = _pair()
+    assert a.seal_now(ib.node_id, STREAM_DATA, 1, b"\x00\x00\x00\x07", b"x") is None  # no session
+    frames, _ = a.seal(ib.node_id, ib.dh_public, STREAM_DATA, 1, b"hello", 0.0, False)
+    assert a.seal_now(ib.node_id, STREAM_DATA, 1, b"\x00\x00\x00\x07", b"x") is None  # setting up
+    resp, _ = b.on_init(ia.node_id, frames[0][1], 0.0)
+    assert resp is not None
+    b.open(ia.node_id, memoryview(a.on_resp(ib.node_id, resp)[0][1]), False)
+    send = a.sessions[ib.node_id].send
+    assert send is not None
+    twin = SendCipher(send.key, send.rekey_after, send.suite)  # the same key and counter: the same record
+    twin.counter, twin.epoch = send.counter, send.epoch
+    parts = a.seal_now(ib.node_id, STREAM_DATA, 1, b"\x00\x00\x00\x07", memoryview(b"payload"))
+    assert parts is not None
+    a.sessions[ib.node_id].send = twin
+    body = b"\x00\x00\x00\x07payload"
+    (t, whole), = a.seal(ib.node_id, ib.dh_public, STREAM_DATA, 1, body, 1.0, False)[0]
+    assert t == SEALED and parts[0] + parts[1] == whole
+    assert b.open(ia.node_id, memoryview(parts[0] + parts[1]), False) == (STREAM_DATA, 1, body)
