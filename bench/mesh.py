@@ -16,7 +16,13 @@ Sections (each one table, medians of alternating rounds via bench/common.py):
   (sans-I/O RouteTable.build), and convergence time of N in-process
   services joined by ring links (50 and 200 nodes).
 
-    .venv/bin/python bench/mesh.py [--size MiB] [--rounds N] [--only SECTIONS] [--json FILE]
+    .venv/bin/python bench/mesh.py [--size MiB] [--rounds N] [--only SECTIONS] [--json FILE] [--ab REF]
+
+  `--ab REF` (stream section): the tcp:// and udp:// rows also run with every node as of git
+  REF (rows NAME@REF: B and C from REF's tree, client node A a child process importing it),
+  paired with this tree's, whose A is then a child process too (the same driver for both),
+  and NAME-chacha, this tree with `limits.aes_instructions = "no"` on every node. One table
+  per link kind and hop count, with paired ratios of MB/s and CPU per GiB against NAME@REF.
 
 * **portal**: the same upload through a SOCKS5 portal on node A into a
   three-node line A-B-C, one and two hops: meshgate (`meshgate run`
@@ -39,6 +45,7 @@ import asyncio
 import functools
 import gc
 import ipaddress
+import json
 import os
 import random
 import socket
@@ -51,7 +58,9 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if os.environ.get("MESHGATE_TREE"):  # an --ab client (--client): meshgate as of another commit
+    sys.path.insert(0, os.environ["MESHGATE_TREE"])
+sys.path.insert(1 if os.environ.get("MESHGATE_TREE") else 0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (
     PEERS,
@@ -60,6 +69,7 @@ from bench.common import (
     add_args,
     easytier_interpreter_rss_mib,
     free_port,
+    git_tree,
     proc_cpu_seconds,
     proc_peak_rss_kib,
     report,
@@ -140,10 +150,13 @@ def serve_sink(port: int) -> None:
 
 
 class Children:
-    """Relay B and far node C as `meshgate run` processes, plus the sink."""
+    """Relay B and far node C as `meshgate run` processes, plus the sink; `tree`: run them
+    from that extracted git REF (bench.common.git_tree), not this checkout."""
 
-    def __init__(self, scheme: str = "tcp") -> None:
+    def __init__(self, scheme: str = "tcp", tree: Path | None = None, aes: str = "") -> None:
         self.scheme = scheme  # the link type: tcp or udp
+        self.tree = tree
+        self.aes = aes  # limits.aes_instructions for B, C and A ("" leaves the default)
         self.tmp = tempfile.TemporaryDirectory(prefix="meshbench-")
         self.sink_port = free_port()
         self.b_port, self.c_port = free_port(), free_port()  # free for TCP; UDP alike in practice
@@ -160,10 +173,11 @@ class Children:
             f'state_dir = "{state}"\n[mesh]\nlisten = ["{s}://127.0.0.1:{port}"]\npeers = [{peer_list}]\n'
             f"[socks5]\nenable = false\n[admin]\nenable = false\n"
             f'[serve]\n{self.sink_port} = "127.0.0.1:{self.sink_port}"\n'  # the sink, at C's virtual IP
+            + (f'[limits]\naes_instructions = "{self.aes}"\n' if self.aes else "")
         )
         return subprocess.Popen(
             [sys.executable, "-m", "meshgate", "run", "-c", str(cfg), "--log-level", "warning"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=self.tree or ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
 
     def start(self) -> None:
@@ -214,41 +228,66 @@ def stream_direct(ch: Children, size: int) -> Metrics:
     return {"MB/s": size / elapsed / 1e6, "A_cpu_s/GiB": (self_cpu_seconds() - cpu0) / (size / GIB)}
 
 
-def stream_mesh(ch: Children, size: int, hops: int) -> Metrics:
+async def _mesh_upload(
+    scheme: str, peer: int, sink_port: int, size: int, hops: int, aes: str = ""
+) -> tuple[float, float]:
+    """Node A (this process) dials `peer`, uploads `size` bytes to the sink at C over a
+    `hops`-hop route: (seconds, A's CPU seconds), both from the stream's open to the sink's count."""
+    cfg = node_config("a", "10.99.0.1/24", peers=[f"{scheme}://127.0.0.1:{peer}"], network="bench",
+                      secret="bench secret", limits={"aes_instructions": aes} if aes else None)
+    a = mesh_node(cfg)
+    await a.start()
+    c_ip = ipaddress.ip_address("10.99.0.3")
+
+    def c_id() -> int | None:
+        """c's node id (found by its virtual IP) once a has a `hops`-hop route to it."""
+        r = a.lookup(c_ip)
+        p = a.table.hop_paths.get(r.node_id) if r is not None else None
+        return r.node_id if r is not None and p is not None and p.hops == hops else None
+
+    try:
+        deadline = time.monotonic() + 20
+        while (c := c_id()) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {hops}-hop route to c")
+            await asyncio.sleep(0.02)
+        cpu0 = self_cpu_seconds()
+        # c's own virtual IP: its egress policy maps that to its loopback
+        transport, proto = await a.open_stream(c, "10.99.0.3", sink_port, Collector)
+        assert isinstance(proto, Collector)
+        elapsed = await _upload(transport, proto, size)
+        return elapsed, self_cpu_seconds() - cpu0
+    finally:
+        await a.stop()
+
+
+def stream_client(spec: str) -> None:
+    """--client SCHEME,PEER,SINK,SIZE,HOPS,AES: one upload from a child process (an --ab row's
+    node A, importing meshgate from MESHGATE_TREE when set); prints seconds and CPU seconds."""
+    scheme, peer, sink, size, hops, aes = spec.split(",")
+    elapsed, cpu = run(_mesh_upload(scheme, int(peer), int(sink), int(size), int(hops), aes))
+    print(json.dumps({"elapsed": elapsed, "cpu": cpu}), flush=True)
+
+
+def stream_mesh(ch: Children, size: int, hops: int, child_a: bool = False) -> Metrics:
+    """One upload A -> C; `child_a`: A in a child process importing `ch.tree`'s meshgate (or this
+    tree's), as --ab runs both variants, else in this process."""
     peer = ch.c_port if hops == 1 else ch.b_port
-
-    async def go() -> float:
-        cfg = node_config("a", "10.99.0.1/24", peers=[f"{ch.scheme}://127.0.0.1:{peer}"], network="bench",
-                          secret="bench secret")
-        a = mesh_node(cfg)
-        await a.start()
-        c_ip = ipaddress.ip_address("10.99.0.3")
-
-        def c_id() -> int | None:
-            """c's node id (found by its virtual IP) once a has a `hops`-hop route to it."""
-            r = a.lookup(c_ip)
-            p = a.table.hop_paths.get(r.node_id) if r is not None else None
-            return r.node_id if r is not None and p is not None and p.hops == hops else None
-
-        try:
-            deadline = time.monotonic() + 20
-            while (c := c_id()) is None:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no {hops}-hop route to c")
-                await asyncio.sleep(0.02)
-            # c's own virtual IP: its egress policy maps that to its loopback
-            transport, proto = await a.open_stream(c, "10.99.0.3", ch.sink_port, Collector)
-            assert isinstance(proto, Collector)
-            return await _upload(transport, proto, size)
-        finally:
-            await a.stop()
-
     names = ["b", "c"] if hops == 2 else ["c"]
     cpu0 = {n: ch.cpu(n) for n in names}
-    a0 = self_cpu_seconds()
-    elapsed = run(go())
+    if child_a:
+        env = {**os.environ, **({"MESHGATE_TREE": str(ch.tree)} if ch.tree else {})}
+        spec = f"{ch.scheme},{peer},{ch.sink_port},{size},{hops},{ch.aes}"
+        out_text = subprocess.run(
+            [sys.executable, __file__, "--client", spec],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=True,
+        ).stdout
+        got = json.loads(out_text.strip().splitlines()[-1])
+        elapsed, a_cpu = got["elapsed"], got["cpu"]
+    else:
+        elapsed, a_cpu = run(_mesh_upload(ch.scheme, peer, ch.sink_port, size, hops))
     gib = size / GIB
-    out: Metrics = {"MB/s": size / elapsed / 1e6, "A_cpu_s/GiB": (self_cpu_seconds() - a0) / gib}
+    out: Metrics = {"MB/s": size / elapsed / 1e6, "A_cpu_s/GiB": a_cpu / gib}
     for n in names:
         out[f"{n.upper()}_cpu_s/GiB"] = (ch.cpu(n) - cpu0[n]) / gib
     out["cpu_s/GiB_total"] = sum(v for k, v in out.items() if k.endswith("_cpu_s/GiB"))
@@ -536,7 +575,7 @@ class PortalLine:
         )
         return subprocess.Popen(
             [sys.executable, "-m", "meshgate", "run", "-c", str(cfg), "--log-level", "warning"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=self.tree or ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
 
     def _easytier(self, name: str, peers: list[int]) -> subprocess.Popen[bytes]:
@@ -622,6 +661,36 @@ def portal_section(rounds: int, size: int) -> list[Runner]:
         sink.wait(5)
 
 
+def stream_ab(ref: str, rounds: int, size: int, size_mib: int, kinds: list[str]) -> list[Runner]:
+    """This tree against git REF on the stream rows: per link kind and hop count one table,
+    the variants in alternating rounds, every node (A too) a process of its tree. NAME-chacha is
+    this tree with limits.aes_instructions = "no" on every node (what the AEAD negotiation
+    itself costs, and what AES-256-GCM changed, within one tree)."""
+    work = tempfile.TemporaryDirectory(prefix="meshbench-ab-")
+    tree = git_tree(ref, work.name)
+    variants = {"": (None, ""), "-chacha": (None, "no"), f"@{ref}": (tree, "")}
+    children = {(k, v): Children(k, t, aes) for k in kinds for v, (t, aes) in variants.items()}
+    runners: list[Runner] = []
+    try:
+        for ch in children.values():
+            ch.start()
+        for kind in kinds:
+            for hops in (1, 2):
+                title = f"stream upload {size_mib} MiB, {kind}:// links, {hops} hop(s), this tree vs {ref}"
+                r = Runner(title,
+                           rounds, f"{kind}-{hops}hop@{ref}")
+                for v in variants:
+                    r.add(f"{kind}-{hops}hop{v}",
+                          functools.partial(stream_mesh, children[kind, v], size, hops, True))
+                r.run()
+                runners.append(r)
+    finally:
+        for ch in children.values():
+            ch.stop()
+        work.cleanup()
+    return runners
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -631,15 +700,23 @@ def main() -> None:
     p.add_argument("--size", type=int, default=512, help="MiB per stream run")
     p.add_argument("--seconds", type=float, default=2.0, help="seconds per datagram run")
     p.add_argument("--sink", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--client", help=argparse.SUPPRESS)
+    p.add_argument("--ab", metavar="REF", help="stream section: also run every node as of git REF, paired")
+    p.add_argument("--links", default="tcp,udp", help="stream section with --ab: link kinds (tcp,udp)")
     args = p.parse_args()
     if args.sink:
         serve_sink(args.sink)
+        return
+    if args.client:
+        stream_client(args.client)
         return
     sections = {s.strip() for s in (args.only or "stream,datagram,routing,portal").split(",")}
     size = args.size * MIB
     runners: list[Runner] = []
 
-    if "stream" in sections:
+    if "stream" in sections and args.ab:
+        runners.extend(stream_ab(args.ab, args.rounds, size, args.size, args.links.split(",")))
+    elif "stream" in sections:
         ch, chu = Children(), Children("udp")
         try:
             ch.start()
@@ -690,7 +767,7 @@ def main() -> None:
         r.run()
         runners.append(r)
 
-    report(runners, json_path=args.json, ratio_metrics=["MB/s"])
+    report(runners, json_path=args.json, ratio_metrics=["MB/s", "cpu_s/GiB_total"])
 
 
 if __name__ == "__main__":

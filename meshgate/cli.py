@@ -219,7 +219,15 @@ def cmd_admin(args: argparse.Namespace) -> int:
 
 def _format_table(kind: str, data: Any) -> str:
     if kind == "status":
-        return "\n".join(f"{k:10} {v}" for k, v in data.items() if k != "services")
+        lines = []
+        for k, v in data.items():
+            if k == "services":
+                continue
+            if isinstance(v, list):  # one line each (links), the key on the first
+                lines += [f"{k if i == 0 else '':10} {x}" for i, x in enumerate(v)] or [f"{k:10} -"]
+            else:
+                lines.append(f"{k:10} {v}")
+        return "\n".join(lines)
     if not data:
         return f"(no {kind})"
     cols = list(data[0].keys())

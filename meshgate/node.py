@@ -483,6 +483,9 @@ class Node:
             out["fingerprint"] = self.mesh.identity.fingerprint
             out["identity"] = self.mesh.identity_text()
             out["traversal"] = self.mesh.traversal_text()
+            # one line per link, naming its cipher (`meshgate status` prints one per line)
+            out["links"] = [f"{p['name'] or p['id']} {p['url']} {p['aead'] or 'handshake'}"
+                            for p in self.mesh.peers() if p["url"]]
             if self.mesh.traversal is not None:
                 out["traversal_counters"] = self.mesh.traversal.status()["counters"]
             if self.resolver is not None:

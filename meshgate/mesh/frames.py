@@ -3,7 +3,8 @@
 Wire format (docs/PROTOCOL.md has the full text):
 
     preface      = MAGIC (4) | VERSION (1) | 0 (1)            each side, once
-    handshake    = u16 length | Noise message                  XXpsk3, 3 messages
+    handshake    = u16 length | Noise message                  XXpsk3, 3 messages;
+                   msg1's payload the AEAD offer, msg2's the answer (empty from old peers)
     record       = u32 length | epoch u8 | counter u64 | AEAD(ciphertext+tag)
     plaintext    = frame*                                       many frames per record
     frame        = type u8 | flags u8 | hop u8 | 0 | u16 body length | src u32 | dst u32 | body
@@ -35,6 +36,7 @@ from meshgate.mesh.noise import (
     HandshakeState,
     NoiseError,
     Suite,
+    choose_suite,
     generate_private,
     rekey_key,
 )
@@ -187,9 +189,44 @@ def decode_hello(body: bytes | memoryview) -> Hello:
     return Hello(node_id, session, name, key, cert, signature)
 
 
+# The transport AEAD offer (docs/PROTOCOL.md section 2.6), carried in the Noise payloads so the
+# transcript (every later handshake message's AD, and the HELLO signatures) binds it: msg1's
+# payload starts OFFER_V1, the initiator's capability bits (noise.CAP_AES); a new responder's
+# msg2 payload is OFFER_V1, the suite it chose, its capability bits. Peers from before the offer
+# send (byte pipes: empty; udp://: zeros) and ignore payloads: ChaCha20-Poly1305, as before.
+OFFER_V1 = 0x01
+
+
+def aead_offer(caps: int) -> bytes:
+    """Initiator: the start of msg1's payload."""
+    return bytes((OFFER_V1, caps & 0xFF))
+
+
+def answer_offer(caps: int, offer: bytes) -> tuple[Suite, bytes]:
+    """Responder: (the suite, msg2's payload) for msg1's payload. No offer (an initiator from
+    before it): ChaCha20-Poly1305 and an empty payload, exactly what such a peer got before."""
+    if len(offer) >= 2 and offer[0] == OFFER_V1:
+        suite = choose_suite(caps, offer[1])
+        return suite, bytes((OFFER_V1, suite.code, caps & 0xFF))
+    return CHACHA20_POLY1305, b""
+
+
+def answered_suite(caps: int, answer: bytes) -> Suite:
+    """Initiator: the suite msg2's payload names, which must be what the rule gives for both
+    ends' capabilities (authenticated, like all of msg2: a mismatch is a broken peer)."""
+    if not answer:
+        return CHACHA20_POLY1305  # a responder from before the offer
+    if len(answer) != 3 or answer[0] != OFFER_V1:
+        raise LinkError("bad_aead", "malformed AEAD answer in the handshake")
+    expected = choose_suite(caps, answer[2])
+    if answer[1] != expected.code:
+        raise LinkError("bad_aead", f"the peer chose AEAD {answer[1]}, the rule gives {expected.name}")
+    return expected
+
+
 class SendCipher:
-    """Seals records with one direction's key; `suite`: the negotiated AEAD (ChaCha20-Poly1305
-    on byte-pipe links; udp:// links and end-to-end sessions may negotiate AES-256-GCM)."""
+    """Seals records with one direction's key; `suite`: the negotiated AEAD (AES-256-GCM where
+    both ends have AES instructions, else ChaCha20-Poly1305)."""
 
     __slots__ = ("_aead", "counter", "epoch", "key", "nonce", "rekey_after", "suite")
 
@@ -367,8 +404,11 @@ class LinkCodec:
         rekey_after: int = DEFAULT_REKEY_AFTER,
         hello: HelloBody | None = None,
         static: bytes | None = None,
+        caps: int = 0,
     ) -> None:
         self.initiator = initiator
+        self.caps = caps  # our AEAD capability bits (noise.CAP_AES), offered in the handshake
+        self.suite: Suite = CHACHA20_POLY1305  # the negotiated transport AEAD, once msg2 is done
         self.hello = hello
         self.on_frame = on_frame
         self.rekey_after = rekey_after
@@ -396,7 +436,7 @@ class LinkCodec:
     def start(self) -> None:
         if self.initiator:
             assert self._hs is not None
-            self._out.append(PREFACE + self._hs_msg(self._hs.write_message()))
+            self._out.append(PREFACE + self._hs_msg(self._hs.write_message(aead_offer(self.caps))))
 
     @staticmethod
     def _hs_msg(msg: bytes) -> bytes:
@@ -455,10 +495,15 @@ class LinkCodec:
             msg = bytes(buf[2 : 2 + n])
             del buf[: 2 + n]
             try:
-                hs.read_message(msg)
-                if not hs.finished:
-                    reply = self._hs_msg(hs.write_message())
-                    self._out.append(reply if self.initiator else PREFACE + reply)
+                payload = hs.read_message(msg)
+                if hs.finished:
+                    pass  # msg3 (responder): its payload is empty
+                elif self.initiator:  # msg2: the responder's answer (LinkError if against the rule)
+                    self.suite = answered_suite(self.caps, payload)
+                    self._out.append(self._hs_msg(hs.write_message()))
+                else:  # msg1: the initiator's offer
+                    self.suite, answer = answer_offer(self.caps, payload)
+                    self._out.append(PREFACE + self._hs_msg(hs.write_message(answer)))
             except NoiseError:
                 raise LinkError("handshake", "handshake failed") from None
             if hs.finished:
@@ -468,8 +513,8 @@ class LinkCodec:
         i2r, r2i = hs.split()
         assert i2r.k is not None and r2i.k is not None
         send_key, recv_key = (i2r.k, r2i.k) if self.initiator else (r2i.k, i2r.k)
-        self.send = SendCipher(send_key, self.rekey_after)
-        self.recv = RecvCipher(recv_key)
+        self.send = SendCipher(send_key, self.rekey_after, self.suite)
+        self.recv = RecvCipher(recv_key, self.suite)
         self.remote_static = hs.rs or b""
         self.handshake_hash = hs.handshake_hash
         self._hs = None

@@ -47,7 +47,6 @@ from meshgate.config import LimitsConfig, LinkUrl
 from meshgate.logs import RateLimitedLog
 from meshgate.mesh.frames import HELLO, LinkError
 from meshgate.mesh.links import LinkBase, LinkOwner
-from meshgate.mesh.noise import local_caps
 from meshgate.mesh.traversal import KIND_PROBE
 from meshgate.mesh.tun_routes import mark_socket
 from meshgate.mesh.udp_session import (
@@ -396,7 +395,7 @@ class UdpLink(LinkBase):
             reassembly=limits.udp_link_reassembly, reassembly_bytes=limits.udp_link_reassembly_bytes,
             reassembly_timeout=limits.udp_link_reassembly_timeout,
             fragment=limits.udp_link_fragment_datagrams, static=owner.identity.dh_private,
-            caps=local_caps(limits.aes_instructions),
+            caps=owner.aead_caps,
         )
         self._flush_scheduled = False
         self._timer_handle: asyncio.TimerHandle | None = None
@@ -408,6 +407,11 @@ class UdpLink(LinkBase):
     @property
     def local_id(self) -> int:
         return self.session.local_id
+
+    @property
+    def aead(self) -> str:
+        s = self.session
+        return s.suite.name if s.established else ""
 
     def begin(self) -> None:
         self._start_handshake_timer()

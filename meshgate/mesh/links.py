@@ -28,6 +28,7 @@ from meshgate.mesh.frames import (
     decode_hello,
 )
 from meshgate.mesh.identity import Identity
+from meshgate.metrics import REGISTRY
 
 log = logging.getLogger("meshgate.mesh.links")
 _rlog = RateLimitedLog(log)
@@ -36,12 +37,19 @@ RTT_GAIN = 1 / 8  # the smoothed RTT's EWMA gain once warmed up (TCP's SRTT, RFC
 RTTVAR_GAIN = 1 / 4  # the mean deviation's gain (TCP's RTTVAR, RFC 6298)
 BASE_RTT_SAMPLES = 10  # the base RTT is the least of this many last samples
 
+_sessions = REGISTRY.counter(
+    "meshgate_mesh_link_sessions_total",
+    "Byte-pipe link handshakes completed (tcp://, quic://, ring://), by scheme and negotiated AEAD",
+    ("scheme", "aead"),
+)
+
 
 class LinkOwner(Protocol):
     node_id: int
     network: str
     psk: bytes
     identity: Identity
+    aead_caps: int  # our AEAD capability bits (noise.local_caps of limits.aes_instructions)
     handshake_timeout: float
     loop: asyncio.AbstractEventLoop
 
@@ -98,6 +106,11 @@ class LinkBase:
         self.traversal_kind = 0
         self.gone_seen = False  # the owner has handled this link's loss (once)
         self.stall = (0, 0.0)  # (drained bytes, since when) while it holds more than the owner allows
+
+    @property
+    def aead(self) -> str:
+        """The transport AEAD this link negotiated (noise.Suite.name), "" before its handshake."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------ for the carrier
 
@@ -241,12 +254,19 @@ class Link(LinkBase, asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.codec = LinkCodec(
             initiator, owner.network, owner.psk, self._on_frame, hello=self._hello_body,
-            static=owner.identity.dh_private,
+            static=owner.identity.dh_private, caps=owner.aead_caps,
         )
         self._flush_scheduled = False
 
+    @property
+    def aead(self) -> str:
+        send = self.codec.send
+        return send.suite.name if send is not None else ""
+
     def _hello_body(self, handshake_hash: bytes, initiator: bool) -> bytes:
+        # called once, as the handshake finishes
         self.remote_static, self.handshake_hash = self.codec.remote_static, handshake_hash
+        _sessions.labels(self.url.partition(":")[0], self.codec.suite.name).inc()
         return self.owner.hello_body(handshake_hash, initiator)
 
     # ------------------------------------------------------------ asyncio.Protocol

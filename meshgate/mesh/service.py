@@ -199,10 +199,12 @@ class MeshService:
         self._revocation_watch = FileWatch(config.node.revocation_list)
         self.peer_identity: dict[LinkBase, PeerIdentity] = {}
         self._dns_servers: tuple[int, dict[str, list[tuple[int, str]]]] | None = None
+        # what this node offers when a link or an end-to-end session negotiates its AEAD
+        self.aead_caps = local_caps(limits.aes_instructions)
         self.e2e = E2e(
             identity, self.network, self._own_cert_raw, self._check_e2e_peer,
             max_sessions=limits.e2e_sessions, queue_bytes=limits.e2e_queue_bytes,
-            caps=local_caps(limits.aes_instructions),
+            caps=self.aead_caps,
         )
         self.handshake_timeout = limits.handshake_timeout
         self.ping_interval = limits.mesh_ping_interval
@@ -1438,6 +1440,7 @@ class MeshService:
                     "url": link.url,
                     "path": self._path_word(link),
                     "latency_ms": round(link.latency_us / 1000, 3),
+                    "aead": link.aead,
                     "bytes_in": link.bytes_in,
                     "bytes_out": link.bytes_out,
                 })
@@ -1466,7 +1469,7 @@ class MeshService:
                 "id": f"{nid:08x}", "name": rec.name if rec else "", "fingerprint": "",
                 "url": "", "path": f"relayed via {via_rec.name if via_rec else f'{via:08x}'} ({state})",
                 "latency_ms": round(self.table.hop_paths[nid].latency_us / 1000, 3),
-                "bytes_in": 0, "bytes_out": 0,
+                "aead": "", "bytes_in": 0, "bytes_out": 0,
             })
         return out
 

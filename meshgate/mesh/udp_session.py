@@ -61,6 +61,9 @@ from meshgate.mesh.frames import (
     LinkError,
     RecvCipher,
     SendCipher,
+    aead_offer,
+    answer_offer,
+    answered_suite,
     iter_frames,
     prologue,
 )
@@ -69,7 +72,6 @@ from meshgate.mesh.noise import (
     HandshakeState,
     NoiseError,
     Suite,
-    choose_suite,
     generate_private,
 )
 
@@ -83,12 +85,8 @@ DATA = struct.Struct("!BI")  # kind, receiver id
 DATA_HEAD = struct.Struct("!BIIBQ")  # kind, receiver id, then the record header (frames.RECORD)
 DATA_OVERHEAD = DATA.size + RECORD.size + TAG  # bytes of a data packet that are not plaintext
 INIT_PADDING = 64  # msg1 payload: makes msg1 (126 B) no smaller than msg2 (113 B)
-# The AEAD offer (docs/PROTOCOL.md section 2.6) rides in the Noise payloads, so the transcript
-# (and every later handshake message's AD, and the HELLO signatures) binds it: msg1's payload
-# starts OFFER_V1, capability bits (then zeros to INIT_PADDING); a new responder's msg2 payload
-# is OFFER_V1, the suite it chose, its capability bits. A version-3 peer from before sends and
-# ignores zeros/an empty payload: ChaCha20-Poly1305, as before.
-OFFER_V1 = 0x01
+# The AEAD offer (frames.aead_offer, docs/PROTOCOL.md section 2.6) starts msg1's payload, then
+# zeros to INIT_PADDING (a version-3 initiator from before it sends the zeros alone).
 INIT_MIN = HS.size + 32 + INIT_PADDING + TAG  # a shorter msg1 is dropped unanswered
 
 CH_ACK = 0x01
@@ -301,7 +299,7 @@ class UdpSession:
         if not self.initiator:
             return
         assert self._hs is not None
-        msg = self._hs.write_message(bytes((OFFER_V1, self.caps)).ljust(INIT_PADDING, b"\0"))
+        msg = self._hs.write_message(aead_offer(self.caps).ljust(INIT_PADDING, b"\0"))
         self._send_hs(HS.pack(KIND_INIT, MAGIC, VERSION, self.local_id, 0) + msg, now)
 
     def _send_hs(self, packet: bytes, now: float) -> None:
@@ -331,12 +329,8 @@ class UdpSession:
                 self.peer_init = bytes(packet)
                 self.peer_id = sender
                 try:
-                    offer = hs.read_message(body)
-                    if len(offer) >= 2 and offer[0] == OFFER_V1:
-                        self.suite = choose_suite(self.caps, offer[1])
-                        msg2 = hs.write_message(bytes((OFFER_V1, self.suite.code, self.caps)))
-                    else:  # zeros: a peer from before the offer, which reads ChaCha20-Poly1305 only
-                        msg2 = hs.write_message()
+                    self.suite, answer = answer_offer(self.caps, hs.read_message(body))
+                    msg2 = hs.write_message(answer)
                 except NoiseError:
                     raise LinkError("handshake", "handshake failed") from None
                 self._send_hs(HS.pack(KIND_RESP, MAGIC, VERSION, self.local_id, sender) + msg2, now)
@@ -354,7 +348,7 @@ class UdpSession:
                 answer = hs.read_message(body)
             except NoiseError:
                 raise LinkError("handshake", "handshake failed") from None
-            self.suite = self._answered_suite(answer)
+            self.suite = answered_suite(self.caps, answer)
             try:
                 msg3 = hs.write_message()
             except NoiseError:
@@ -374,18 +368,6 @@ class UdpSession:
             self._ack_owed = True  # a sealed packet at once confirms the handshake to the initiator
         else:
             self.unexpected += 1  # duplicates after the handshake, stray ids
-
-    def _answered_suite(self, answer: bytes) -> Suite:
-        """Initiator: the suite msg2's payload names, which must be what the rule gives for both
-        ends' capabilities (authenticated, like all of msg2: a mismatch is a broken peer)."""
-        if not answer:
-            return CHACHA20_POLY1305  # a responder from before the offer
-        if len(answer) != 3 or answer[0] != OFFER_V1:
-            raise LinkError("bad_aead", "malformed AEAD answer in the handshake")
-        expected = choose_suite(self.caps, answer[2])
-        if answer[1] != expected.code:
-            raise LinkError("bad_aead", f"the peer chose AEAD {answer[1]}, the rule gives {expected.name}")
-        return expected
 
     def _finish(self, hs: HandshakeState) -> None:
         i2r, r2i = hs.split()
