@@ -58,9 +58,6 @@ if os.environ.get("MESHGATE_TREE"):  # an --ab host: meshgate as of another comm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(1 if os.environ.get("MESHGATE_TREE") else 0, str(ROOT))
 
-HOST_TIMEOUT = 600.0
-
-
 # --------------------------------------------------------------------------- host (child process)
 
 
@@ -169,11 +166,14 @@ class Host:
             out[key] = float(sum(svc.stats[key] for svc in self.nodes))
         return out
 
-    async def watch(self, target: int) -> None:
-        """Report once when every node of this host has routes to `target` nodes."""
+    async def watch(self, target: int, deadline: float) -> None:
+        """Report once when every node of this host has routes to `target` nodes, or at
+        `deadline` (CLOCK_MONOTONIC) with converged_at null and the fewest routes a node has."""
         while True:
-            if all(len(svc.table.hop_paths) >= target for svc in self.nodes):
-                self.say(converged_at=time.monotonic(), **self.counters())
+            least = min(len(svc.table.hop_paths) for svc in self.nodes)
+            if least >= target or time.monotonic() >= deadline:
+                at = time.monotonic() if least >= target else None
+                self.say(converged_at=at, least_routes=least, **self.counters())
                 return
             await asyncio.sleep(0.02)
 
@@ -190,14 +190,14 @@ class Host:
             op = cmd["op"]
             if op == "peers":
                 self.set_peers(cmd["peers"])
-                watcher = asyncio.ensure_future(self.watch(self.n))
+                watcher = asyncio.ensure_future(self.watch(self.n, cmd["deadline"]))
             elif op == "join":  # one more node, dialing the given ports: how fast all learn it
                 svc = await self.add_node(cmd["index"])
                 urls = tuple(LinkUrl("tcp", "127.0.0.1", port) for port in cmd["peers"])
                 svc.set_peers(urls)
-                watcher = asyncio.ensure_future(self.watch(self.n + 1))
+                watcher = asyncio.ensure_future(self.watch(self.n + 1, cmd["deadline"]))
             elif op == "watch":
-                watcher = asyncio.ensure_future(self.watch(cmd["target"]))
+                watcher = asyncio.ensure_future(self.watch(cmd["target"], cmd["deadline"]))
             elif op == "counters":
                 self.say(**self.counters())
             elif op == "memory":
@@ -282,7 +282,7 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def one_round(
-    n: int, procs: int, tree: Path | None, settle: float, idle: float, seed: int
+    n: int, procs: int, tree: Path | None, settle: float, idle: float, seed: int, timeout: float
 ) -> dict[str, float]:
     from bench.mesh import random_graph
 
@@ -293,17 +293,31 @@ def one_round(
         peers = {str(i): [hosts.ports[j] for j, _ in adj[i] if j < i] for i in range(n)}
         t0 = time.monotonic()
         for c in hosts.children:
-            hosts.send(c, op="peers", peers=peers)
+            hosts.send(c, op="peers", peers=peers, deadline=t0 + timeout)
         done: list[dict[str, Any]] = []
         for c in hosts.children:
             done.append(hosts.read(c))
         conv = totals(done)
+        if any(d["converged_at"] is None for d in done):  # bounded: what it reached by then
+            least = min(d["least_routes"] for d in done)
+            print(f"not converged in {timeout:.0f} s: the fewest routes a node had was {least} of {n}",
+                  file=sys.stderr)
+            return {"converge_s": float("nan"), "least_routes": float(least),
+                    "cpu_s/node": (conv["cpu_s"] - before["cpu_s"]) / n,
+                    "records_rx/node": (conv["records_rx"] - before["records_rx"]) / n,
+                    "verified/node": (conv["records_verified"] - before["records_verified"]) / n,
+                    "links_dead_converging": conv["link_dead"] - before["link_dead"]}
+        span = max(d["converged_at"] for d in done) - t0
         out: dict[str, float] = {
-            "converge_s": max(d["converged_at"] for d in done) - t0,
+            "converge_s": span,
             "cpu_s/node": (conv["cpu_s"] - before["cpu_s"]) / n,
             "records_rx/node": (conv["records_rx"] - before["records_rx"]) / n,
+            "records_rx/s/node": (conv["records_rx"] - before["records_rx"]) / n / span,
             "verified/node": (conv["records_verified"] - before["records_verified"]) / n,
+            "builds/node": (conv["builds"] - before["builds"]) / n,
             "versions/node": (conv["versions"] - before["versions"]) / n,
+            # links whose peer fell silent while converging (a starved loop misses pings)
+            "links_dead_converging": conv["link_dead"] - before["link_dead"],
         }
         mem = hosts.ask("memory")
         out["rss_MiB/node"] = sum(m["rss_kib"] for m in mem) / 1024 / n
@@ -329,10 +343,11 @@ def one_round(
         rng = random.Random(seed)
         joined = [hosts.ports[j] for j in rng.sample(range(n), 2)]
         t2 = time.monotonic()
-        hosts.send(hosts.children[0], op="join", index=n, peers=joined)
+        hosts.send(hosts.children[0], op="join", index=n, peers=joined, deadline=t2 + timeout)
         for c in hosts.children[1:]:
-            hosts.send(c, op="watch", target=n + 1)
-        out["join_s"] = max(hosts.read(c)["converged_at"] for c in hosts.children) - t2
+            hosts.send(c, op="watch", target=n + 1, deadline=t2 + timeout)
+        joins = [hosts.read(c)["converged_at"] for c in hosts.children]
+        out["join_s"] = float("nan") if None in joins else max(joins) - t2
         return out
     finally:
         hosts.stop()
@@ -413,6 +428,8 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=10.0, help="seconds after convergence before idle")
     p.add_argument("--idle", type=float, default=20.0, help="seconds the idle figures cover")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a round waits for convergence (and for the join)")
     p.add_argument("--ab", help="also run meshgate as of this git ref, alternating with this tree")
     p.add_argument("--json")
     p.add_argument("--table", help="only one node's route table at these mesh sizes (e.g. 500,1000)")
@@ -430,11 +447,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="meshscale-") as tmp:
         title = f"mesh of {args.nodes} nodes in {args.procs} processes, tcp:// on loopback"
         r = Runner(title, args.rounds, f"meshgate@{args.ab}" if args.ab else None)
-        r.add("meshgate", lambda: one_round(args.nodes, args.procs, None, args.settle, args.idle, args.seed))
+        r.add("meshgate", lambda: one_round(args.nodes, args.procs, None, args.settle, args.idle, args.seed,
+                                                 args.timeout))
         if args.ab:
             tree = git_tree(args.ab, tmp)
             r.add(f"meshgate@{args.ab}",
-                  lambda: one_round(args.nodes, args.procs, tree, args.settle, args.idle, args.seed))
+                  lambda: one_round(args.nodes, args.procs, tree, args.settle, args.idle, args.seed,
+                                    args.timeout))
         r.run()
         report([r], json_path=args.json, ratio_metrics=["converge_s", "idle_%core/node", "idle_B/s/link"])
 

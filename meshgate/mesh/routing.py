@@ -519,21 +519,31 @@ class RouteTable:
         if sync is None:
             return []
         # only what changed since the last call, plus unacknowledged sends past their time
-        # (no scan of the whole table per neighbour per tick)
+        # (no scan of the whole table per neighbour per tick). `sent` is in the order of the
+        # sends (each send moves its origin to the end), so the scan stops at the first one
+        # not yet due: a flood with many sends unacknowledged costs nothing per call
         candidates = sync.pending
         sync.pending = set()
         for origin, (_, when) in sync.sent.items():
-            if now - when >= self.resend_after:
-                candidates.add(origin)
+            if now - when < self.resend_after:
+                break
+            candidates.add(origin)
         out = []
         records = self.records
+        me = self.node_id
         for origin in candidates:
             rec = records.get(origin)
             if rec is None or origin == nid or sync.acked.get(origin, -1) >= rec.version:
                 continue
+            if origin == me and not rec.neighbours:
+                # an own record that lists no neighbour adds no edge to anyone's graph: a node
+                # starting would have every node check it, then its first version with links
+                # (FIRST_RTT_WAIT later) again. The version that lists one is sent (pending)
+                continue
             sent = sync.sent.get(origin)
             if sent is not None and sent[0] >= rec.version and now - sent[1] < self.resend_after:
                 continue
+            sync.sent.pop(origin, None)
             sync.sent[origin] = (rec.version, now)
             out.append(rec)
         return out

@@ -117,8 +117,17 @@ _e2e_dropped = REGISTRY.counter(
 OPEN_TIMEOUT = 10.0
 DRAIN_GIVE_UP = 1.0  # a stream moving paths waits this long for its peer to return its credit
 EXPIRY_CHECK_TICKS = 10  # ping intervals between checks for certificates that expired
-MIN_BUILD_INTERVAL = 0.05  # seconds between route builds while records keep changing
-MAX_BUILD_INTERVAL = 1.0  # ... and at most this, however long the last one took
+# Received records are checked (signatures) and flooded on at most every SETTLE_INTERVAL:
+# each hop of a flood waits for this, never for a route build. Versions of one origin that a
+# newer one supersedes within it are never checked. The first records after a quiet spell go
+# at once.
+SETTLE_INTERVAL = 0.05
+# Route builds (Dijkstra, lookup tables): at least MIN_BUILD_INTERVAL apart and 10x the CPU
+# the last one took; while records keep changing (a build follows the previous one within
+# twice its interval) the interval doubles, up to MAX_BUILD_INTERVAL, so a long flood (a
+# large mesh forming) costs each node a bounded number of builds; a quiet spell resets it.
+MIN_BUILD_INTERVAL = 0.05
+MAX_BUILD_INTERVAL = 1.0
 ORIGINATE_DELAY = 0.05  # coalesce changes of the own record made within this time
 # A version that only adds links (or moves latencies) waits, polling every ORIGINATE_DELAY,
 # until the new links have their first RTT (at most FIRST_RTT_WAIT after they came up) and
@@ -244,6 +253,8 @@ class MeshService:
         self._last_build = -1e9
         self._build_interval = MIN_BUILD_INTERVAL
         self._build_timer: asyncio.TimerHandle | None = None
+        self._last_settle = -1e9
+        self._settle_timer: asyncio.TimerHandle | None = None
         self._originate_timer: asyncio.TimerHandle | None = None
         self._latency_timer: asyncio.TimerHandle | None = None
         self._last_originated = -1e9  # loop time the own record last changed
@@ -325,6 +336,8 @@ class MeshService:
             self._tick_handle.cancel()
         if self._build_timer is not None:
             self._build_timer.cancel()
+        if self._settle_timer is not None:
+            self._settle_timer.cancel()
         if self._originate_timer is not None:
             self._originate_timer.cancel()
         if self._latency_timer is not None:
@@ -818,15 +831,33 @@ class MeshService:
     def _sync(self) -> None:
         self._sync_scheduled = False
         now = self.loop.time()
-        if self.table.dirty or self.table.unchecked:
-            # While records pour in (a mesh forming, a flap), check and build at most once
-            # per interval: the first change after a quiet spell still builds at once.
+        if self.table.unchecked:
+            wait = self._last_settle + SETTLE_INTERVAL - now
+            if wait <= 0:
+                self._settle(now)
+            elif self._settle_timer is None:
+                self._settle_timer = self.loop.call_later(wait, self._settle_later)
+        if self.table.dirty:
+            # while records pour in (a mesh forming, a flap) build at most once per interval;
+            # the first change after a quiet spell still builds at once
             wait = self._last_build + self._build_interval - now
             if wait <= 0:
                 self._build(now)
             elif self._build_timer is None:
                 self._build_timer = self.loop.call_later(wait, self._build_later)
         self._flood(now)
+
+    def _settle(self, now: float) -> None:
+        """Check the records held since the last settle and store what passes: stored ones
+        are pending for every neighbour, so the flood that follows passes them on now."""
+        self._last_settle = now
+        self.table.settle()
+
+    def _settle_later(self) -> None:
+        self._settle_timer = None
+        if self.table.unchecked:
+            self._settle(self.loop.time())
+            self._sync()
 
     def _build_later(self) -> None:
         self._build_timer = None
@@ -835,16 +866,20 @@ class MeshService:
 
     def _build(self, now: float) -> None:
         # the CPU the build took, not the wall time: on a busy host a build the scheduler
-        # paused would hold every later record back (each hop of a flood waits for a build)
+        # paused would stretch the interval for nothing
         t0 = time.thread_time()
-        # received records are checked (signatures) here, so a burst's superseded versions
-        # are never checked, and the interval below bounds the CPU both take together
-        if self.table.settle():
+        if self.table.settle():  # what a forced build (a route needed now) checks first
+            self._last_settle = now
             self._schedule_sync()  # flood what was stored
         self.table.build()
-        self._last_build = now
         took = time.thread_time() - t0
-        self._build_interval = min(MAX_BUILD_INTERVAL, max(MIN_BUILD_INTERVAL, 10 * took))
+        floor = min(MAX_BUILD_INTERVAL, max(MIN_BUILD_INTERVAL, 10 * took))
+        if now - self._last_build <= 2 * self._build_interval:
+            # records kept changing through the last interval: back off (bounded)
+            self._build_interval = min(MAX_BUILD_INTERVAL, max(floor, 2 * self._build_interval))
+        else:
+            self._build_interval = floor
+        self._last_build = now
         self.table.mark_unreachable(now)
         reachable = set(self.table.hop_paths)
         records = self.table.records
