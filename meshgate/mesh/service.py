@@ -122,6 +122,10 @@ EXPIRY_CHECK_TICKS = 10  # ping intervals between checks for certificates that e
 # newer one supersedes within it are never checked. The first records after a quiet spell go
 # at once.
 SETTLE_INTERVAL = 0.05
+# ... at most SETTLE_BATCH origins' records per loop iteration (~3 ms of signature checks), the
+# rest in the next one: a full table arriving (a link up in a 1,000-node mesh) does not hold
+# the loop, and what it carries for streams and pings, for a tenth of a second
+SETTLE_BATCH = 32
 # Route builds (Dijkstra, lookup tables): at least MIN_BUILD_INTERVAL apart and 10x the CPU
 # the last one took; while records keep changing (a build follows the previous one within
 # twice its interval) the interval doubles, up to MAX_BUILD_INTERVAL, so a long flood (a
@@ -254,7 +258,7 @@ class MeshService:
         self._build_interval = MIN_BUILD_INTERVAL
         self._build_timer: asyncio.TimerHandle | None = None
         self._last_settle = -1e9
-        self._settle_timer: asyncio.TimerHandle | None = None
+        self._settle_timer: asyncio.Handle | None = None  # a TimerHandle, or call_soon's
         self._originate_timer: asyncio.TimerHandle | None = None
         self._latency_timer: asyncio.TimerHandle | None = None
         self._last_originated = -1e9  # loop time the own record last changed
@@ -851,7 +855,9 @@ class MeshService:
         """Check the records held since the last settle and store what passes: stored ones
         are pending for every neighbour, so the flood that follows passes them on now."""
         self._last_settle = now
-        self.table.settle()
+        self.table.settle(SETTLE_BATCH)
+        if self.table.unchecked and self._settle_timer is None:
+            self._settle_timer = self.loop.call_soon(self._settle_later)
 
     def _settle_later(self) -> None:
         self._settle_timer = None
