@@ -602,9 +602,11 @@ class RouteTable:
 
     # ------------------------------------------------------------ graph
 
-    def build(self) -> bool:
-        """Rebuild routes if anything changed; returns True if it did."""
-        self.settle()
+    def build(self, settle: bool = True) -> bool:
+        """Rebuild routes if anything changed; returns True if it did. Held records are
+        checked first unless `settle` is false (the mesh checks them in slices itself)."""
+        if settle:
+            self.settle()
         if not self.dirty:
             return False
         self.dirty = False

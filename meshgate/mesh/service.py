@@ -846,7 +846,7 @@ class MeshService:
             # the first change after a quiet spell still builds at once
             wait = self._last_build + self._build_interval - now
             if wait <= 0:
-                self._build(now)
+                self._build(now, settle=False)
             elif self._build_timer is None:
                 self._build_timer = self.loop.call_later(wait, self._build_later)
         self._flood(now)
@@ -867,17 +867,19 @@ class MeshService:
 
     def _build_later(self) -> None:
         self._build_timer = None
-        if self.table.dirty or self.table.unchecked:
-            self._build(self.loop.time())
+        if self.table.dirty:
+            self._build(self.loop.time(), settle=False)
 
-    def _build(self, now: float) -> None:
+    def _build(self, now: float, settle: bool = True) -> None:
+        """Build the routes; with `settle` (a route needed now, a reload) every held record is
+        checked first, else only what the settle slices stored so far counts."""
+        if settle and self.table.settle():
+            self._last_settle = now
+            self._schedule_sync()  # flood what was stored
         # the CPU the build took, not the wall time: on a busy host a build the scheduler
         # paused would stretch the interval for nothing
         t0 = time.thread_time()
-        if self.table.settle():  # what a forced build (a route needed now) checks first
-            self._last_settle = now
-            self._schedule_sync()  # flood what was stored
-        self.table.build()
+        self.table.build(settle=False)
         took = time.thread_time() - t0
         floor = min(MAX_BUILD_INTERVAL, max(MIN_BUILD_INTERVAL, 10 * took))
         if now - self._last_build <= 2 * self._build_interval:

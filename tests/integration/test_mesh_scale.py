@@ -82,9 +82,9 @@ async def test_the_build_interval_follows_the_cpu_a_build_took_not_the_wall_time
         await async_wait_until(lambda: converged([a, b]), 10, "routes")
         build = a.table.build
 
-        def paused() -> bool:
+        def paused(settle: bool = True) -> bool:
             time.sleep(0.3)
-            return build()
+            return build(settle)
 
         a.table.build = paused  # type: ignore[method-assign]
         a.table.dirty = True

@@ -38,3 +38,26 @@ def test_unacknowledged_sends_are_resent_when_due_whatever_was_sent_between() ->
     assert [r.origin for r in t.records_to_send(1, 4.0)] == [2]
     t.receive_acks(1, [(0, 1), (2, 2), (3, 1)])
     assert t.records_to_send(1, 10.0) == []
+
+
+def test_settle_checks_a_slice_at_a_time_and_a_forged_newer_version_hides_nothing() -> None:
+    """A full table arriving is checked in slices (the mesh checks one per loop iteration,
+    with its I/O between): `limit` origins in the order they arrived, the rest still held.
+    Within a slice a forged newer version (it fails the check) still cannot hide the genuine
+    older one held beside it, and a version superseded while held is never checked."""
+    checked: list[tuple[int, int]] = []
+
+    def accept(new: Record, held: Record | None) -> str | None:
+        checked.append((new.origin, new.version))
+        return "bad_signature" if new.signature == b"forged" else None
+
+    t = RouteTable(rec(0, neighbours=((1, 100),)), accept=accept)
+    t.neighbour_up(1)
+    t.receive_records(1, [rec(o) for o in range(1, 11)], 0.0)
+    t.receive_records(1, [rec(1, 5, signature=b"forged"), rec(4, 2)], 0.0)
+    assert t.settle(3) == 3 and t.unchecked == 7
+    assert sorted(o for o in t.records if o) == [1, 2, 3]
+    assert t.records[1].version == 1  # the genuine one, beside the forged newer one
+    assert checked == [(1, 5), (1, 1), (2, 1), (3, 1)]
+    assert t.settle() == 7 and t.unchecked == 0
+    assert (4, 1) not in checked and t.records[4].version == 2  # superseded while held
