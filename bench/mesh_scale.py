@@ -10,7 +10,12 @@ neighbours. Per round the coordinator reports:
   last node has a route to all N (hosts report CLOCK_MONOTONIC, shared by the
   processes of one machine); `cpu_s/node` the CPU every host spent meanwhile,
   per node; `records_rx/node` the route records received per node (every copy,
-  held or new) and `verified/node` those whose signature was checked.
+  held or new), `records_rx/s/node` the same per second of convergence,
+  `verified/node` those whose signature was checked, `builds/node` route graph
+  builds, and `links_dead_converging` links closed as silent meanwhile (a starved
+  loop misses pings; each loss is a version every node checks). A round that has
+  not converged after --timeout seconds reports converge_s nan and the fewest
+  routes a node had (`least_routes`).
 * **idle** (after the mesh stood still for --settle seconds, over --idle
   seconds): `%core/node` (host CPU / nodes / seconds), `B/s/link` the bytes one
   direction of a link carries (the link layer's count: sealed records, no
@@ -27,6 +32,7 @@ neighbours. Per round the coordinator reports:
   state, paths, lookup tables).
 
     .venv/bin/python bench/mesh_scale.py --nodes 100 --procs 4 [--rounds 1] [--ab REF] [--json F]
+        [--timeout 600] [--dead-after S]
 
 With `--ab REF` the hosts of a second variant import meshgate as of git REF
 (bench/common.git_tree) and the two alternate per round. The machine bounds
@@ -119,6 +125,9 @@ class Host:
         self.out = out
         self.nodes: list[Any] = []
         self.base_rss = rss_kib()
+        # --dead-after: the coordinator's limits.mesh_dead_after for every node (else the default)
+        dead_after = os.environ.get("MESHSCALE_DEAD_AFTER")
+        self.limits = {"mesh_dead_after": float(dead_after)} if dead_after else {}
 
     def say(self, **msg: Any) -> None:
         self.out.write(json.dumps(msg) + "\n")
@@ -133,7 +142,7 @@ class Host:
         cfg = config_from_dict({
             "node": {"name": f"n{i}", "network": "scale", "secret": "scale bench", "ipv4": f"{ip}/8"},
             "mesh": {"listen": ["tcp://127.0.0.1:0"], "peers": [], "traversal": False},
-            "limits": {"route_records": max(4096, 2 * self.n), "max_peers": 256},
+            "limits": {"route_records": max(4096, 2 * self.n), "max_peers": 256, **self.limits},
         })
         svc = MeshService(cfg, identity=Identity.generate())
         await svc.start()
@@ -428,6 +437,10 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=10.0, help="seconds after convergence before idle")
     p.add_argument("--idle", type=float, default=20.0, help="seconds the idle figures cover")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--dead-after", type=float,
+                   help="limits.mesh_dead_after of every node (default: the node's, 5 s). Dozens of"
+                        " nodes share one loop here, and two cores: a loop starved past it closes"
+                        " links that are fine, and each loss is a version every node checks")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a round waits for convergence (and for the join)")
     p.add_argument("--ab", help="also run meshgate as of this git ref, alternating with this tree")
@@ -437,6 +450,8 @@ def main() -> None:
     if args.host:
         host_main(int(args.host[0]), [int(x) for x in args.host[1].split(",") if x])
         return
+    if args.dead_after:
+        os.environ["MESHSCALE_DEAD_AFTER"] = str(args.dead_after)  # the hosts inherit it
     if args.table:
         r = Runner("one node's route table, n signed records from each neighbour (sans-I/O)", args.rounds)
         for size in (int(x) for x in args.table.split(",")):
