@@ -129,9 +129,12 @@ SETTLE_BATCH = 32
 # Route builds (Dijkstra, lookup tables): at least MIN_BUILD_INTERVAL apart and 10x the CPU
 # the last one took; while records keep changing (a build follows the previous one within
 # twice its interval) the interval doubles, up to MAX_BUILD_INTERVAL, so a long flood (a
-# large mesh forming) costs each node a bounded number of builds; a quiet spell resets it.
+# large mesh forming on a busy host) costs each node a few builds, not one per 50 ms; a
+# quiet spell resets it. A build comes sooner once no record changed for BUILD_QUIET of the
+# interval: when a flood ends, the routes follow it within a quarter of the interval.
 MIN_BUILD_INTERVAL = 0.05
-MAX_BUILD_INTERVAL = 1.0
+MAX_BUILD_INTERVAL = 4.0
+BUILD_QUIET = 0.25
 ORIGINATE_DELAY = 0.05  # coalesce changes of the own record made within this time
 # A version that only adds links (or moves latencies) waits, polling every ORIGINATE_DELAY,
 # until the new links have their first RTT (at most FIRST_RTT_WAIT after they came up) and
@@ -258,6 +261,8 @@ class MeshService:
         self._build_interval = MIN_BUILD_INTERVAL
         self._build_timer: asyncio.TimerHandle | None = None
         self._last_settle = -1e9
+        self._last_change = -1e9  # loop time a settle last stored a record that changed routes
+        self._build_floor = MIN_BUILD_INTERVAL  # 10x the last build's CPU (at least the minimum)
         self._settle_timer: asyncio.Handle | None = None  # a TimerHandle, or call_soon's
         self._originate_timer: asyncio.TimerHandle | None = None
         self._latency_timer: asyncio.TimerHandle | None = None
@@ -844,18 +849,28 @@ class MeshService:
         if self.table.dirty:
             # while records pour in (a mesh forming, a flap) build at most once per interval;
             # the first change after a quiet spell still builds at once
-            wait = self._last_build + self._build_interval - now
-            if wait <= 0:
+            due = self._build_due()
+            if due <= now:
                 self._build(now, settle=False)
-            elif self._build_timer is None:
-                self._build_timer = self.loop.call_later(wait, self._build_later)
+            elif self._build_timer is None or self._build_timer.when() > due:
+                if self._build_timer is not None:
+                    self._build_timer.cancel()
+                self._build_timer = self.loop.call_later(due - now, self._build_later)
         self._flood(now)
+
+    def _build_due(self) -> float:
+        """When the next build may run: the interval after the last one, or once no record
+        changed for BUILD_QUIET of it (a flood that ended), but never before the floor."""
+        last = self._last_build
+        quiet = self._last_change + BUILD_QUIET * self._build_interval
+        return max(last + self._build_floor, min(last + self._build_interval, quiet))
 
     def _settle(self, now: float) -> None:
         """Check the records held since the last settle and store what passes: stored ones
         are pending for every neighbour, so the flood that follows passes them on now."""
         self._last_settle = now
-        self.table.settle(SETTLE_BATCH)
+        if self.table.settle(SETTLE_BATCH) and self.table.dirty:
+            self._last_change = now
         if self.table.unchecked and self._settle_timer is None:
             self._settle_timer = self.loop.call_soon(self._settle_later)
 
@@ -868,7 +883,12 @@ class MeshService:
     def _build_later(self) -> None:
         self._build_timer = None
         if self.table.dirty:
-            self._build(self.loop.time(), settle=False)
+            now = self.loop.time()
+            due = self._build_due()
+            if due > now:  # records changed since this was set for a quiet spell
+                self._build_timer = self.loop.call_later(due - now, self._build_later)
+            else:
+                self._build(now, settle=False)
 
     def _build(self, now: float, settle: bool = True) -> None:
         """Build the routes; with `settle` (a route needed now, a reload) every held record is
@@ -881,7 +901,7 @@ class MeshService:
         t0 = time.thread_time()
         self.table.build(settle=False)
         took = time.thread_time() - t0
-        floor = min(MAX_BUILD_INTERVAL, max(MIN_BUILD_INTERVAL, 10 * took))
+        floor = self._build_floor = min(MAX_BUILD_INTERVAL, max(MIN_BUILD_INTERVAL, 10 * took))
         if now - self._last_build <= 2 * self._build_interval:
             # records kept changing through the last interval: back off (bounded)
             self._build_interval = min(MAX_BUILD_INTERVAL, max(floor, 2 * self._build_interval))

@@ -10,7 +10,7 @@ import asyncio
 import time
 
 from meshgate.mesh.routing import Record
-from meshgate.mesh.service import MAX_BUILD_INTERVAL, MIN_BUILD_INTERVAL, MeshService
+from meshgate.mesh.service import BUILD_QUIET, MAX_BUILD_INTERVAL, MIN_BUILD_INTERVAL, MeshService
 from tests.helpers import async_wait_until
 from tests.mesh_testing import converged, node_config, ring_line, ring_name, start_node, stop_all
 
@@ -117,7 +117,7 @@ async def test_a_relay_checks_and_floods_a_record_on_without_waiting_for_its_bui
 async def test_builds_back_off_while_records_keep_changing_and_not_after_a_quiet_spell() -> None:
     """Builds that follow each other as soon as the interval allows (records changing all
     the while) double the interval, up to MAX_BUILD_INTERVAL: a flood that lasts a minute
-    (a thousand nodes forming on a busy host) costs a node about 60 builds, not one per
+    (a thousand nodes forming on a busy host) costs a node about 25 builds, not one per
     50 ms. The first build after a quiet spell goes back to the short interval."""
     r = ring_name()
     a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"]))
@@ -138,3 +138,24 @@ async def test_builds_back_off_while_records_keep_changing_and_not_after_a_quiet
         assert a._build_interval < 0.5
     finally:
         await stop_all([a, b])
+
+
+async def test_a_build_follows_a_flood_that_ended_within_a_quarter_of_the_interval() -> None:
+    """After a long flood the interval is at its longest (4 s). One more record, then quiet:
+    the build is set for a quarter of the interval after that record, not for the full
+    interval after the last build, so the routes follow the end of a flood soon."""
+    a, b, c = await ring_line()
+    try:
+        b._last_build = b.loop.time()
+        b._build_interval = MAX_BUILD_INTERVAL
+        builds = b.table.builds
+        a.table.update_local(exit=True)
+        a._schedule_sync()
+        await async_wait_until(lambda: b.table.records[a.node_id].exit, 10, "b stores a's new version")
+        timer = b._build_timer
+        assert timer is not None and b.table.builds == builds
+        assert timer.when() <= b._last_change + BUILD_QUIET * MAX_BUILD_INTERVAL + 1e-3
+        assert timer.when() < b._last_build + MAX_BUILD_INTERVAL
+        await async_wait_until(lambda: b.table.builds > builds, 10, "b builds")
+    finally:
+        await stop_all([a, b, c])
