@@ -315,6 +315,8 @@ def one_round(
                     "cpu_s/node": (conv["cpu_s"] - before["cpu_s"]) / n,
                     "records_rx/node": (conv["records_rx"] - before["records_rx"]) / n,
                     "verified/node": (conv["records_verified"] - before["records_verified"]) / n,
+                    "builds/node": (conv["builds"] - before["builds"]) / n,
+                    "versions/node": (conv["versions"] - before["versions"]) / n,
                     "links_dead_converging": conv["link_dead"] - before["link_dead"]}
         span = max(d["converged_at"] for d in done) - t0
         out: dict[str, float] = {
