@@ -259,7 +259,8 @@ class MeshService:
         self._sync_scheduled = False
         self._last_build = -1e9
         self._build_interval = MIN_BUILD_INTERVAL
-        self._build_timer: asyncio.TimerHandle | None = None
+        self._build_timer: asyncio.Handle | None = None
+        self._build_at = 0.0  # loop time _build_timer is set for
         self._last_settle = -1e9
         self._last_change = -1e9  # loop time a settle last stored a record that changed routes
         self._build_floor = MIN_BUILD_INTERVAL  # 10x the last build's CPU (at least the minimum)
@@ -852,9 +853,10 @@ class MeshService:
             due = self._build_due()
             if due <= now:
                 self._build(now, settle=False)
-            elif self._build_timer is None or self._build_timer.when() > due:
+            elif self._build_timer is None or self._build_at > due:
                 if self._build_timer is not None:
                     self._build_timer.cancel()
+                self._build_at = due  # (uvloop hands a plain Handle for a delay under 1 ms)
                 self._build_timer = self.loop.call_later(due - now, self._build_later)
         self._flood(now)
 
@@ -886,6 +888,7 @@ class MeshService:
             now = self.loop.time()
             due = self._build_due()
             if due > now:  # records changed since this was set for a quiet spell
+                self._build_at = due
                 self._build_timer = self.loop.call_later(due - now, self._build_later)
             else:
                 self._build(now, settle=False)
