@@ -158,3 +158,24 @@ async def test_a_build_follows_a_flood_that_ended_within_a_quarter_of_the_interv
         await async_wait_until(lambda: b.table.builds > builds, 10, "b builds")
     finally:
         await stop_all([a, b, c])
+
+
+async def test_a_build_due_within_a_millisecond_is_scheduled_and_runs() -> None:
+    """uvloop hands a plain Handle (no when()) for a call_later under 1 ms: a build due that
+    soon, then another sync before it ran, must neither raise (a sync that raised never
+    flooded: a 1,000-node mesh did not converge) nor lose the build."""
+    r = ring_name()
+    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"]))
+    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r}"]))
+    try:
+        await async_wait_until(lambda: converged([a, b]), 10, "routes")
+        builds = a.table.builds
+        now = a.loop.time()
+        a._build_floor = a._build_interval = MIN_BUILD_INTERVAL
+        a._last_build = now - MIN_BUILD_INTERVAL + 0.0004
+        a.table.dirty = True
+        a._sync()
+        a._sync()
+        await async_wait_until(lambda: a.table.builds > builds, 5, "the build ran")
+    finally:
+        await stop_all([a, b])
