@@ -114,7 +114,11 @@ async def test_a_warm_relay_still_refuses_a_frame_at_the_hop_limit(line: list[Me
     await async_wait_until(lambda: any(f[0] == STREAM_RESET for f in at_a), 5, "the reset")
     reset = next(f for f in at_a if f[0] == STREAM_RESET)
     assert reset[3] == c.node_id and RESET.unpack(reset[5]) == (77, TTL_EXPIRED)
-    await asyncio.sleep(0.05)
+    # a marker behind them on the same link and relay: once it is at c, anything b had passed
+    # on before it would be there too (one ordered path), so absence now means refused
+    marker = os.urandom(40)
+    to_b.send_frame(SEALED, 0, DEFAULT_HOP_LIMIT, a.node_id, c.node_id, marker)
+    await async_wait_until(lambda: bool(_forged(at_c, marker)), 5, "the marker behind them")
     assert not _forged(at_c, spent) and not any(f[0] == STREAM_OPEN for f in at_c)
 
 
