@@ -120,8 +120,24 @@ _e2e_dropped = REGISTRY.counter(
 OPEN_TIMEOUT = 10.0
 DRAIN_GIVE_UP = 1.0  # a stream moving paths waits this long for its peer to return its credit
 EXPIRY_CHECK_TICKS = 10  # ping intervals between checks for certificates that expired
-MIN_BUILD_INTERVAL = 0.05  # seconds between route builds while records keep changing
-MAX_BUILD_INTERVAL = 1.0  # ... and at most this, however long the last one took
+# Received records are checked (signatures) and flooded on at most every SETTLE_INTERVAL:
+# each hop of a flood waits for this, never for a route build. Versions of one origin that a
+# newer one supersedes within it are never checked. The first records after a quiet spell go
+# at once.
+SETTLE_INTERVAL = 0.05
+# ... at most SETTLE_BATCH origins' records per loop iteration (~3 ms of signature checks), the
+# rest in the next one: a full table arriving (a link up in a 1,000-node mesh) does not hold
+# the loop, and what it carries for streams and pings, for a tenth of a second
+SETTLE_BATCH = 32
+# Route builds (Dijkstra, lookup tables): at least MIN_BUILD_INTERVAL apart and 10x the CPU
+# the last one took; while records keep changing (a build follows the previous one within
+# twice its interval) the interval doubles, up to MAX_BUILD_INTERVAL, so a long flood (a
+# large mesh forming on a busy host) costs each node a few builds, not one per 50 ms; a
+# quiet spell resets it. A build comes sooner once no record changed for BUILD_QUIET of the
+# interval: when a flood ends, the routes follow it within a quarter of the interval.
+MIN_BUILD_INTERVAL = 0.05
+MAX_BUILD_INTERVAL = 4.0
+BUILD_QUIET = 0.25
 ORIGINATE_DELAY = 0.05  # coalesce changes of the own record made within this time
 # A version that only adds links (or moves latencies) waits, polling every ORIGINATE_DELAY,
 # until the new links have their first RTT (at most FIRST_RTT_WAIT after they came up) and
@@ -248,7 +264,12 @@ class MeshService:
         self._sync_scheduled = False
         self._last_build = -1e9
         self._build_interval = MIN_BUILD_INTERVAL
-        self._build_timer: asyncio.TimerHandle | None = None
+        self._build_timer: asyncio.Handle | None = None
+        self._build_at = 0.0  # loop time _build_timer is set for
+        self._last_settle = -1e9
+        self._last_change = -1e9  # loop time a settle last stored a record that changed routes
+        self._build_floor = MIN_BUILD_INTERVAL  # 10x the last build's CPU (at least the minimum)
+        self._settle_timer: asyncio.Handle | None = None  # a TimerHandle, or call_soon's
         self._originate_timer: asyncio.TimerHandle | None = None
         self._latency_timer: asyncio.TimerHandle | None = None
         self._last_originated = -1e9  # loop time the own record last changed
@@ -337,6 +358,8 @@ class MeshService:
             self._tick_handle.cancel()
         if self._build_timer is not None:
             self._build_timer.cancel()
+        if self._settle_timer is not None:
+            self._settle_timer.cancel()
         if self._originate_timer is not None:
             self._originate_timer.cancel()
         if self._latency_timer is not None:
@@ -839,33 +862,76 @@ class MeshService:
     def _sync(self) -> None:
         self._sync_scheduled = False
         now = self.loop.time()
-        if self.table.dirty or self.table.unchecked:
-            # While records pour in (a mesh forming, a flap), check and build at most once
-            # per interval: the first change after a quiet spell still builds at once.
-            wait = self._last_build + self._build_interval - now
+        if self.table.unchecked:
+            wait = self._last_settle + SETTLE_INTERVAL - now
             if wait <= 0:
-                self._build(now)
-            elif self._build_timer is None:
-                self._build_timer = self.loop.call_later(wait, self._build_later)
+                self._settle(now)
+            elif self._settle_timer is None:
+                self._settle_timer = self.loop.call_later(wait, self._settle_later)
+        if self.table.dirty:
+            # while records pour in (a mesh forming, a flap) build at most once per interval;
+            # the first change after a quiet spell still builds at once
+            due = self._build_due()
+            if due <= now:
+                self._build(now, settle=False)
+            elif self._build_timer is None or self._build_at > due:
+                if self._build_timer is not None:
+                    self._build_timer.cancel()
+                self._build_at = due  # (uvloop hands a plain Handle for a delay under 1 ms)
+                self._build_timer = self.loop.call_later(due - now, self._build_later)
         self._flood(now)
+
+    def _build_due(self) -> float:
+        """When the next build may run: the interval after the last one, or once no record
+        changed for BUILD_QUIET of it (a flood that ended), but never before the floor."""
+        last = self._last_build
+        quiet = self._last_change + BUILD_QUIET * self._build_interval
+        return max(last + self._build_floor, min(last + self._build_interval, quiet))
+
+    def _settle(self, now: float) -> None:
+        """Check the records held since the last settle and store what passes: stored ones
+        are pending for every neighbour, so the flood that follows passes them on now."""
+        self._last_settle = now
+        if self.table.settle(SETTLE_BATCH) and self.table.dirty:
+            self._last_change = now
+        if self.table.unchecked and self._settle_timer is None:
+            self._settle_timer = self.loop.call_soon(self._settle_later)
+
+    def _settle_later(self) -> None:
+        self._settle_timer = None
+        if self.table.unchecked:
+            self._settle(self.loop.time())
+            self._sync()
 
     def _build_later(self) -> None:
         self._build_timer = None
-        if self.table.dirty or self.table.unchecked:
-            self._build(self.loop.time())
+        if self.table.dirty:
+            now = self.loop.time()
+            due = self._build_due()
+            if due > now:  # records changed since this was set for a quiet spell
+                self._build_at = due
+                self._build_timer = self.loop.call_later(due - now, self._build_later)
+            else:
+                self._build(now, settle=False)
 
-    def _build(self, now: float) -> None:
-        # the CPU the build took, not the wall time: on a busy host a build the scheduler
-        # paused would hold every later record back (each hop of a flood waits for a build)
-        t0 = time.thread_time()
-        # received records are checked (signatures) here, so a burst's superseded versions
-        # are never checked, and the interval below bounds the CPU both take together
-        if self.table.settle():
+    def _build(self, now: float, settle: bool = True) -> None:
+        """Build the routes; with `settle` (a route needed now, a reload) every held record is
+        checked first, else only what the settle slices stored so far counts."""
+        if settle and self.table.settle():
+            self._last_settle = now
             self._schedule_sync()  # flood what was stored
-        self.table.build()
-        self._last_build = now
+        # the CPU the build took, not the wall time: on a busy host a build the scheduler
+        # paused would stretch the interval for nothing
+        t0 = time.thread_time()
+        self.table.build(settle=False)
         took = time.thread_time() - t0
-        self._build_interval = min(MAX_BUILD_INTERVAL, max(MIN_BUILD_INTERVAL, 10 * took))
+        floor = self._build_floor = min(MAX_BUILD_INTERVAL, max(MIN_BUILD_INTERVAL, 10 * took))
+        if now - self._last_build <= 2 * self._build_interval:
+            # records kept changing through the last interval: back off (bounded)
+            self._build_interval = min(MAX_BUILD_INTERVAL, max(floor, 2 * self._build_interval))
+        else:
+            self._build_interval = floor
+        self._last_build = now
         self.table.mark_unreachable(now)
         reachable = set(self.table.hop_paths)
         records = self.table.records
