@@ -51,6 +51,7 @@ _F_EXIT = 0x01
 _F_V4 = 0x02
 _F_V6 = 0x04
 _F_DNS = 0x08  # DNS suffixes follow the certificate (dns.serve_suffixes; PROTOCOL.md section 4)
+_F_PROCESS = 0x10  # the origin reads a process in end-to-end message 1 (e2e.PROCESS; section 11)
 MAX_DNS_SUFFIXES = 16
 
 
@@ -73,12 +74,14 @@ class Record:
     cert: bytes = b""  # the origin's node certificate (certificate mode), else empty
     signature: bytes = b""  # the origin's Ed25519 signature of `signed_part`
     dns: tuple[str, ...] = ()  # DNS suffixes the origin answers for (lowercase, trailing dot)
+    reads_process: bool = False  # _F_PROCESS: message 1 to it may say which process of ours it is
 
     def same_content(self, other: Record) -> bool:
         return (
             self.name == other.name and self.ipv4 == other.ipv4 and self.ipv6 == other.ipv6
             and self.cidrs == other.cidrs and self.exit == other.exit and self.neighbours == other.neighbours
             and self.key == other.key and self.cert == other.cert and self.dns == other.dns
+            and self.reads_process == other.reads_process
         )
 
     def encode(self) -> bytes:
@@ -107,6 +110,8 @@ class Record:
         flags = (_F_EXIT if self.exit else 0) | (_F_V4 if self.ipv4 else 0) | (_F_V6 if self.ipv6 else 0)
         if self.dns:
             flags |= _F_DNS
+        if self.reads_process:
+            flags |= _F_PROCESS  # nodes from before it ignore the bit
         out = bytearray(_HEAD.pack(self.origin, self.session, self.version, flags, len(name)))
         out += name
         if self.ipv4:
@@ -199,7 +204,7 @@ def decode_record(data: bytes | memoryview, pos: int = 0) -> tuple[Record, int]:
         raise RecordError("truncated record")
     return (
         Record(origin, session, version, name, ipv4, ipv6, tuple(cidrs), bool(flags & _F_EXIT),
-               tuple(sorted(neighbours)), key, cert, signature, tuple(dns)),
+               tuple(sorted(neighbours)), key, cert, signature, tuple(dns), bool(flags & _F_PROCESS)),
         pos,
     )
 

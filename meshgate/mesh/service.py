@@ -208,6 +208,7 @@ class MeshService:
         self.trust = load_trust(config.node, identity, config.state_path, int(time.time()))
         own_cert = self.trust.own_cert
         self.session = int.from_bytes(os.urandom(4), "big")
+        start_version = int(time.time() * 1000)  # a restart starts above every version it sent before
         self.name = own_cert.name if own_cert is not None else config.node.name
         cidrs = cidr_claims(config.mesh)
         check_own_claims(self.trust, config.node, cidrs, config.mesh.exit_node, config.dns.serve_suffixes)
@@ -220,7 +221,7 @@ class MeshService:
         self.e2e = E2e(
             identity, self.network, self._own_cert_raw, self._check_e2e_peer,
             max_sessions=limits.e2e_sessions, queue_bytes=limits.e2e_queue_bytes,
-            caps=self.aead_caps,
+            caps=self.aead_caps, process=(self.session, start_version), check_process=self._process_current,
         )
         self.handshake_timeout = limits.handshake_timeout
         self.ping_interval = limits.mesh_ping_interval
@@ -232,12 +233,13 @@ class MeshService:
         local = Record(
             origin=self.node_id,
             session=self.session,
-            version=int(time.time() * 1000),  # a restart starts above every version it sent before
+            version=start_version,
             name=self.name,
             ipv4=config.node.ipv4 or (own_cert.ipv4 if own_cert is not None else None),
             ipv6=config.node.ipv6 or (own_cert.ipv6 if own_cert is not None else None),
             cidrs=cidrs,
             exit=config.mesh.exit_node,
+            reads_process=True,
             key=identity.public,
             cert=self._own_cert_raw,
             dns=config.dns.serve_suffixes,
@@ -276,7 +278,11 @@ class MeshService:
         self._latency_backoff = 1  # the latency hold's multiplier (LATENCY_BACKOFF_MAX)
         self._latency_versioned = -1e9  # loop time of the last latency-only re-origination
         self._reachable: set[int] = {self.node_id}
-        self._sessions: dict[int, int] = {}  # reachable origin -> the session its record carries
+        # node -> (session, version floor): the newest process of it heard of (a HELLO, an
+        # end-to-end handshake, a record); a record of another session at or below the floor
+        # is from an older process (PROTOCOL.md section 11)
+        self._processes: dict[int, tuple[int, int]] = {}
+        self._silent: set[LinkBase] = set()  # links silent for dead_after at the last tick
         self._ways_back: dict[int, LinkBase] = {}  # opener -> the link its last OPEN came in on
         self.listen_addrs: list[str] = []
         self.stats: collections.Counter[str] = collections.Counter()  # per-instance, for tests and status
@@ -540,6 +546,7 @@ class MeshService:
         _handshakes.labels("ok").inc()
         self.stats["handshake_ok"] += 1
         self.peer_identity[link] = checked
+        self._heard_process(peer.node_id, peer.session, None)
         links = self.links.setdefault(peer.node_id, [])
         first = not links
         if self.traversal is not None:
@@ -761,9 +768,18 @@ class MeshService:
 
     def _tick(self) -> None:
         now = self.loop.time()
+        # A link silent for dead_after at two ticks in a row is closed. At the first it is
+        # probed: a loop that ran late (a busy host, many nodes in one process) runs its timers
+        # before it reads its sockets, so a peer's pings may be waiting unread, and a peer as
+        # late as we are (in this process) has not pinged either; by the next tick both are read
+        silent, self._silent = self._silent, set()
         for links in list(self.links.values()):
             for link in list(links):
                 if now - link.last_rx > self.dead_after:
+                    if link not in silent:
+                        self._silent.add(link)
+                        self._send_ping(link)
+                        continue
                     self.stats["link_dead"] += 1
                     log.info("mesh link %s silent for %.1fs; closing", link.url, now - link.last_rx)
                     links.remove(link)  # withdraw now; connection_lost may come later
@@ -935,19 +951,52 @@ class MeshService:
         self.table.mark_unreachable(now)
         reachable = set(self.table.hop_paths)
         records = self.table.records
-        sessions = {o: records[o].session for o in reachable}
         if self.mux is not None:
             for gone in self._reachable - reachable:
                 self.mux.drop_peer(gone)
                 self.e2e.drop(gone)
-            # a node that restarted (same id, new session) lost its streams: so do we
-            for o, session in sessions.items():
-                seen = self._sessions.get(o)
-                if seen is not None and seen != session and o != self.node_id:
-                    self.mux.drop_peer(o)
-                    self.e2e.drop(o)
+        processes, links, e2e = self._processes, self.links, self.e2e.sessions
+        for o in [o for o in processes if o not in reachable and o not in links and o not in e2e]:
+            del processes[o]  # bounded by what is reachable, linked or in session
+        for o in reachable:
+            rec = records[o]
+            self._heard_process(o, rec.session, rec.version)
         self._reachable = reachable
-        self._sessions = sessions
+
+    def _process_current(self, node: int, session: int, start: int) -> bool:
+        """Whether `node`'s process (`session`, started at record version `start`) is the newest
+        heard of, or newer."""
+        known = self._processes.get(node)
+        return known is None or known[0] == session or start > known[1]
+
+    def _heard_process(self, node: int, session: int, floor: int | None, current_e2e: bool = False) -> None:
+        """`node` runs as `session` (a record of that version, a process that started at `floor`,
+        or, with None, its HELLO on a link up now). If that is news, a node that restarted (same
+        id, new session) lost its streams and end-to-end session: so do we, here, once, at the
+        first sign, whichever comes first; what is set up with the new process after it stays.
+        `current_e2e`: the end-to-end session is the new process's own (it just told us)."""
+        known = self._processes.get(node)
+        if known is not None and known[0] == session:
+            return
+        if floor is None:  # a link is up with it now: its newest process, whatever we held
+            floor = max(known[1] if known is not None else -1, self._record_version(node))
+        elif known is not None and floor <= known[1]:
+            return  # an older process's record (or late message) than the one we know
+        if known is None and len(self._processes) >= (
+            self.table.max_records + self.e2e.max_sessions + self.config.limits.max_peers
+        ):
+            return  # (between builds, which prune it) only restarts go unseen, as before
+        self._processes[node] = (session, floor)
+        if known is None or node == self.node_id or self.mux is None:
+            return
+        self.stats["peer_restarts"] += 1
+        self.mux.drop_peer(node)
+        if not current_e2e:
+            self.e2e.drop(node)
+
+    def _record_version(self, node: int) -> int:
+        rec = self.table.records.get(node)
+        return rec.version if rec is not None else -1
 
     def _flood(self, now: float) -> None:
         for nid in list(self.links):
@@ -1096,6 +1145,7 @@ class MeshService:
             return
         if resp is None:
             return
+        self._new_e2e_session(src)
         self._remember_way_back(src, link)
         self._send_e2e(src, [(E2E_RESP, resp), *flush])
 
@@ -1105,7 +1155,14 @@ class MeshService:
         except E2eError as e:
             self._e2e_drop(e.reason, src, link)
             return
+        self._new_e2e_session(src)
         self._send_e2e(src, flush)
+
+    def _new_e2e_session(self, src: int) -> None:
+        """A session with `src` is up: if its process said which it is, that may be news."""
+        s = self.e2e.sessions.get(src)
+        if s is not None and s.process is not None:
+            self._heard_process(src, s.process[0], s.process[1], current_e2e=True)
 
     def _send_e2e(self, dst: int, frames: list[tuple[int, bytes]]) -> None:
         out = self._route_link(dst, self.policy_flag) or self._way_back(dst)
@@ -1126,7 +1183,10 @@ class MeshService:
         static = rec.key[32:] if rec is not None and len(rec.key) == 64 else b""
         if not static and dst not in self.e2e.sessions:
             return False
-        frames, _ = self.e2e.seal(dst, static, ftype, flags, body, self.loop.time(), datagram)
+        frames, _ = self.e2e.seal(
+            dst, static, ftype, flags, body, self.loop.time(), datagram,
+            tell=rec is not None and rec.reads_process,
+        )
         outer = flags & FLAG_LATENCY
         for otype, obody in frames:
             oflags = outer | self.e2e.init_flags if otype == E2E_INIT else outer  # the AEAD offer
