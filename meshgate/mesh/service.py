@@ -137,6 +137,10 @@ SETTLE_BATCH = 32
 # interval: when a flood ends, the routes follow it within a quarter of the interval.
 MIN_BUILD_INTERVAL = 0.05
 MAX_BUILD_INTERVAL = 4.0
+# Only a flood backs the builds off: more than this many records stored since the last build.
+# A node joining, leaving or restarting changes a few (its own and its neighbours'), and a
+# standing mesh's latency versions come one at a time: each is routed within the floor.
+FLOOD_CHANGES = 8
 BUILD_QUIET = 0.25
 ORIGINATE_DELAY = 0.05  # coalesce changes of the own record made within this time
 # A version that only adds links (or moves latencies) waits, polling every ORIGINATE_DELAY,
@@ -270,6 +274,7 @@ class MeshService:
         self._build_at = 0.0  # loop time _build_timer is set for
         self._last_settle = -1e9
         self._last_change = -1e9  # loop time a settle last stored a record that changed routes
+        self._changes = 0  # records stored since the last build
         self._build_floor = MIN_BUILD_INTERVAL  # 10x the last build's CPU (at least the minimum)
         self._settle_timer: asyncio.Handle | None = None  # a TimerHandle, or call_soon's
         self._originate_timer: asyncio.TimerHandle | None = None
@@ -908,8 +913,10 @@ class MeshService:
         """Check the records held since the last settle and store what passes: stored ones
         are pending for every neighbour, so the flood that follows passes them on now."""
         self._last_settle = now
-        if self.table.settle(SETTLE_BATCH) and self.table.dirty:
+        stored = self.table.settle(SETTLE_BATCH)
+        if stored and self.table.dirty:
             self._last_change = now
+            self._changes += stored
         if self.table.unchecked and self._settle_timer is None:
             self._settle_timer = self.loop.call_soon(self._settle_later)
 
@@ -933,8 +940,9 @@ class MeshService:
     def _build(self, now: float, settle: bool = True) -> None:
         """Build the routes; with `settle` (a route needed now, a reload) every held record is
         checked first, else only what the settle slices stored so far counts."""
-        if settle and self.table.settle():
+        if settle and (stored := self.table.settle()):
             self._last_settle = now
+            self._changes += stored
             self._schedule_sync()  # flood what was stored
         # the CPU the build took, not the wall time: on a busy host a build the scheduler
         # paused would stretch the interval for nothing
@@ -942,11 +950,12 @@ class MeshService:
         self.table.build(settle=False)
         took = time.thread_time() - t0
         floor = self._build_floor = min(MAX_BUILD_INTERVAL, max(MIN_BUILD_INTERVAL, 10 * took))
-        if now - self._last_build <= 2 * self._build_interval:
+        if self._changes > FLOOD_CHANGES and now - self._last_build <= 2 * self._build_interval:
             # records kept changing through the last interval: back off (bounded)
             self._build_interval = min(MAX_BUILD_INTERVAL, max(floor, 2 * self._build_interval))
         else:
             self._build_interval = floor
+        self._changes = 0
         self._last_build = now
         self.table.mark_unreachable(now)
         reachable = set(self.table.hop_paths)

@@ -10,7 +10,13 @@ import asyncio
 import time
 
 from meshgate.mesh.routing import Record
-from meshgate.mesh.service import BUILD_QUIET, MAX_BUILD_INTERVAL, MIN_BUILD_INTERVAL, MeshService
+from meshgate.mesh.service import (
+    BUILD_QUIET,
+    FLOOD_CHANGES,
+    MAX_BUILD_INTERVAL,
+    MIN_BUILD_INTERVAL,
+    MeshService,
+)
 from tests.helpers import async_wait_until
 from tests.mesh_testing import converged, node_config, ring_line, ring_name, start_node, stop_all
 
@@ -128,6 +134,7 @@ async def test_builds_back_off_while_records_keep_changing_and_not_after_a_quiet
         intervals = []
         for _ in range(8):
             a.table.dirty = True
+            a._changes = FLOOD_CHANGES + 1  # a flood: many records stored since the last build
             a._build(now)
             intervals.append(a._build_interval)
             now += a._build_interval  # the next change-driven build, as soon as allowed
@@ -136,6 +143,14 @@ async def test_builds_back_off_while_records_keep_changing_and_not_after_a_quiet
         a.table.dirty = True
         a._build(now + 3 * MAX_BUILD_INTERVAL)
         assert a._build_interval < 0.5
+        # a trickle (a node joining, latency versions one at a time) does not back off: each
+        # change is routed within the floor, however closely they follow each other
+        for _ in range(8):
+            a.table.dirty = True
+            a._changes = 2
+            now += a._build_interval
+            a._build(now)
+            assert a._build_interval < 0.5
     finally:
         await stop_all([a, b])
 
