@@ -10,7 +10,12 @@ neighbours. Per round the coordinator reports:
   last node has a route to all N (hosts report CLOCK_MONOTONIC, shared by the
   processes of one machine); `cpu_s/node` the CPU every host spent meanwhile,
   per node; `records_rx/node` the route records received per node (every copy,
-  held or new) and `verified/node` those whose signature was checked.
+  held or new), `records_rx/s/node` the same per second of convergence,
+  `verified/node` those whose signature was checked, `builds/node` route graph
+  builds, and `links_dead_converging` links closed as silent meanwhile (a starved
+  loop misses pings; each loss is a version every node checks). A round that has
+  not converged after --timeout seconds reports converge_s nan and the fewest
+  routes a node had (`least_routes`).
 * **idle** (after the mesh stood still for --settle seconds, over --idle
   seconds): `%core/node` (host CPU / nodes / seconds), `B/s/link` the bytes one
   direction of a link carries (the link layer's count: sealed records, no
@@ -27,6 +32,7 @@ neighbours. Per round the coordinator reports:
   state, paths, lookup tables).
 
     .venv/bin/python bench/mesh_scale.py --nodes 100 --procs 4 [--rounds 1] [--ab REF] [--json F]
+        [--timeout 600] [--dead-after S]
 
 With `--ab REF` the hosts of a second variant import meshgate as of git REF
 (bench/common.git_tree) and the two alternate per round. The machine bounds
@@ -57,9 +63,6 @@ if os.environ.get("MESHGATE_TREE"):  # an --ab host: meshgate as of another comm
     sys.path.insert(0, os.environ["MESHGATE_TREE"])
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(1 if os.environ.get("MESHGATE_TREE") else 0, str(ROOT))
-
-HOST_TIMEOUT = 600.0
-
 
 # --------------------------------------------------------------------------- host (child process)
 
@@ -122,6 +125,9 @@ class Host:
         self.out = out
         self.nodes: list[Any] = []
         self.base_rss = rss_kib()
+        # --dead-after: the coordinator's limits.mesh_dead_after for every node (else the default)
+        dead_after = os.environ.get("MESHSCALE_DEAD_AFTER")
+        self.limits = {"mesh_dead_after": float(dead_after)} if dead_after else {}
 
     def say(self, **msg: Any) -> None:
         self.out.write(json.dumps(msg) + "\n")
@@ -136,7 +142,7 @@ class Host:
         cfg = config_from_dict({
             "node": {"name": f"n{i}", "network": "scale", "secret": "scale bench", "ipv4": f"{ip}/8"},
             "mesh": {"listen": ["tcp://127.0.0.1:0"], "peers": [], "traversal": False},
-            "limits": {"route_records": max(4096, 2 * self.n), "max_peers": 256},
+            "limits": {"route_records": max(4096, 2 * self.n), "max_peers": 256, **self.limits},
         })
         svc = MeshService(cfg, identity=Identity.generate())
         await svc.start()
@@ -169,11 +175,14 @@ class Host:
             out[key] = float(sum(svc.stats[key] for svc in self.nodes))
         return out
 
-    async def watch(self, target: int) -> None:
-        """Report once when every node of this host has routes to `target` nodes."""
+    async def watch(self, target: int, deadline: float) -> None:
+        """Report once when every node of this host has routes to `target` nodes, or at
+        `deadline` (CLOCK_MONOTONIC) with converged_at null and the fewest routes a node has."""
         while True:
-            if all(len(svc.table.hop_paths) >= target for svc in self.nodes):
-                self.say(converged_at=time.monotonic(), **self.counters())
+            least = min(len(svc.table.hop_paths) for svc in self.nodes)
+            if least >= target or time.monotonic() >= deadline:
+                at = time.monotonic() if least >= target else None
+                self.say(converged_at=at, least_routes=least, **self.counters())
                 return
             await asyncio.sleep(0.02)
 
@@ -190,14 +199,14 @@ class Host:
             op = cmd["op"]
             if op == "peers":
                 self.set_peers(cmd["peers"])
-                watcher = asyncio.ensure_future(self.watch(self.n))
+                watcher = asyncio.ensure_future(self.watch(self.n, cmd["deadline"]))
             elif op == "join":  # one more node, dialing the given ports: how fast all learn it
                 svc = await self.add_node(cmd["index"])
                 urls = tuple(LinkUrl("tcp", "127.0.0.1", port) for port in cmd["peers"])
                 svc.set_peers(urls)
-                watcher = asyncio.ensure_future(self.watch(self.n + 1))
+                watcher = asyncio.ensure_future(self.watch(self.n + 1, cmd["deadline"]))
             elif op == "watch":
-                watcher = asyncio.ensure_future(self.watch(cmd["target"]))
+                watcher = asyncio.ensure_future(self.watch(cmd["target"], cmd["deadline"]))
             elif op == "counters":
                 self.say(**self.counters())
             elif op == "memory":
@@ -282,7 +291,7 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def one_round(
-    n: int, procs: int, tree: Path | None, settle: float, idle: float, seed: int
+    n: int, procs: int, tree: Path | None, settle: float, idle: float, seed: int, timeout: float
 ) -> dict[str, float]:
     from bench.mesh import random_graph
 
@@ -293,17 +302,33 @@ def one_round(
         peers = {str(i): [hosts.ports[j] for j, _ in adj[i] if j < i] for i in range(n)}
         t0 = time.monotonic()
         for c in hosts.children:
-            hosts.send(c, op="peers", peers=peers)
+            hosts.send(c, op="peers", peers=peers, deadline=t0 + timeout)
         done: list[dict[str, Any]] = []
         for c in hosts.children:
             done.append(hosts.read(c))
         conv = totals(done)
+        if any(d["converged_at"] is None for d in done):  # bounded: what it reached by then
+            least = min(d["least_routes"] for d in done)
+            print(f"not converged in {timeout:.0f} s: the fewest routes a node had was {least} of {n}",
+                  file=sys.stderr)
+            return {"converge_s": float("nan"), "least_routes": float(least),
+                    "cpu_s/node": (conv["cpu_s"] - before["cpu_s"]) / n,
+                    "records_rx/node": (conv["records_rx"] - before["records_rx"]) / n,
+                    "verified/node": (conv["records_verified"] - before["records_verified"]) / n,
+                    "builds/node": (conv["builds"] - before["builds"]) / n,
+                    "versions/node": (conv["versions"] - before["versions"]) / n,
+                    "links_dead_converging": conv["link_dead"] - before["link_dead"]}
+        span = max(d["converged_at"] for d in done) - t0
         out: dict[str, float] = {
-            "converge_s": max(d["converged_at"] for d in done) - t0,
+            "converge_s": span,
             "cpu_s/node": (conv["cpu_s"] - before["cpu_s"]) / n,
             "records_rx/node": (conv["records_rx"] - before["records_rx"]) / n,
+            "records_rx/s/node": (conv["records_rx"] - before["records_rx"]) / n / span,
             "verified/node": (conv["records_verified"] - before["records_verified"]) / n,
+            "builds/node": (conv["builds"] - before["builds"]) / n,
             "versions/node": (conv["versions"] - before["versions"]) / n,
+            # links whose peer fell silent while converging (a starved loop misses pings)
+            "links_dead_converging": conv["link_dead"] - before["link_dead"],
         }
         mem = hosts.ask("memory")
         out["rss_MiB/node"] = sum(m["rss_kib"] for m in mem) / 1024 / n
@@ -329,10 +354,11 @@ def one_round(
         rng = random.Random(seed)
         joined = [hosts.ports[j] for j in rng.sample(range(n), 2)]
         t2 = time.monotonic()
-        hosts.send(hosts.children[0], op="join", index=n, peers=joined)
+        hosts.send(hosts.children[0], op="join", index=n, peers=joined, deadline=t2 + timeout)
         for c in hosts.children[1:]:
-            hosts.send(c, op="watch", target=n + 1)
-        out["join_s"] = max(hosts.read(c)["converged_at"] for c in hosts.children) - t2
+            hosts.send(c, op="watch", target=n + 1, deadline=t2 + timeout)
+        joins = [hosts.read(c)["converged_at"] for c in hosts.children]
+        out["join_s"] = float("nan") if None in joins else max(joins) - t2
         return out
     finally:
         hosts.stop()
@@ -413,6 +439,12 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=10.0, help="seconds after convergence before idle")
     p.add_argument("--idle", type=float, default=20.0, help="seconds the idle figures cover")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--dead-after", type=float,
+                   help="limits.mesh_dead_after of every node (default: the node's, 5 s). Dozens of"
+                        " nodes share one loop here, and two cores: a loop starved past it closes"
+                        " links that are fine, and each loss is a version every node checks")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a round waits for convergence (and for the join)")
     p.add_argument("--ab", help="also run meshgate as of this git ref, alternating with this tree")
     p.add_argument("--json")
     p.add_argument("--table", help="only one node's route table at these mesh sizes (e.g. 500,1000)")
@@ -420,6 +452,8 @@ def main() -> None:
     if args.host:
         host_main(int(args.host[0]), [int(x) for x in args.host[1].split(",") if x])
         return
+    if args.dead_after:
+        os.environ["MESHSCALE_DEAD_AFTER"] = str(args.dead_after)  # the hosts inherit it
     if args.table:
         r = Runner("one node's route table, n signed records from each neighbour (sans-I/O)", args.rounds)
         for size in (int(x) for x in args.table.split(",")):
@@ -430,11 +464,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="meshscale-") as tmp:
         title = f"mesh of {args.nodes} nodes in {args.procs} processes, tcp:// on loopback"
         r = Runner(title, args.rounds, f"meshgate@{args.ab}" if args.ab else None)
-        r.add("meshgate", lambda: one_round(args.nodes, args.procs, None, args.settle, args.idle, args.seed))
+        r.add("meshgate", lambda: one_round(args.nodes, args.procs, None, args.settle, args.idle, args.seed,
+                                                 args.timeout))
         if args.ab:
             tree = git_tree(args.ab, tmp)
             r.add(f"meshgate@{args.ab}",
-                  lambda: one_round(args.nodes, args.procs, tree, args.settle, args.idle, args.seed))
+                  lambda: one_round(args.nodes, args.procs, tree, args.settle, args.idle, args.seed,
+                                    args.timeout))
         r.run()
         report([r], json_path=args.json, ratio_metrics=["converge_s", "idle_%core/node", "idle_B/s/link"])
 

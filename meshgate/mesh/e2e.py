@@ -60,6 +60,13 @@ HANDSHAKE_GIVE_UP = 10.0  # and before the queued frames are dropped
 # whose suite the rule does not give. Old responders answer an empty payload: ChaCha20-Poly1305.
 OFFER_V1 = 0x01
 ANSWER = struct.Struct("!BBBB")  # OFFER_V1, chosen suite, responder's bits, offered bits seen
+# Which process of a node a session is with (docs/PROTOCOL.md section 11): message 1 ends with
+# the initiator's session and start version (its route record's first version) when the
+# responder's record says it reads them, and message 2's answer ends with the responder's when
+# message 1 had them (so neither reaches a node from before this). A node hearing of a peer's new
+# process ends what it held with the old one at once, and keeps what it sets up with the new one
+# even if the peer's new record is still on its way.
+PROCESS = struct.Struct("!IQ")  # session, start version
 
 
 class E2eError(Exception):
@@ -72,6 +79,8 @@ class E2eError(Exception):
 Queued = tuple[int, int, bytes]
 # checks the initiator's public key (and certificate) for its claimed node id: None or a reason
 PeerCheck = Callable[[int, bytes, bytes], str | None]
+# (peer, its session, its start version): False if that process is older than one already heard of
+ProcessCheck = Callable[[int, int, int], bool]
 
 
 @dataclass
@@ -86,6 +95,8 @@ class Session:
     send: SendCipher | None = None
     recv: RecvCipher | None = None
     suite: Suite = CHACHA20_POLY1305  # the negotiated AEAD, once established
+    process: tuple[int, int] | None = None  # the peer's (session, start version), if it said
+    told: bool = False  # initiator: message 1 carried our process
     queue: collections.deque[Queued] = field(default_factory=collections.deque)
     queued_bytes: int = 0
     started: float = 0.0
@@ -102,8 +113,12 @@ class E2e:
     def __init__(
         self, identity: Identity, network: str, cert: bytes, check_peer: PeerCheck,
         max_sessions: int = 1024, queue_bytes: int = 1 << 20, rekey_after: int = 1 << 30, caps: int = 0,
+        process: tuple[int, int] | None = None, check_process: ProcessCheck | None = None,
     ) -> None:
         self.identity = identity
+        # our (session, start version), told to peers that read it; None: told to none
+        self.process = PROCESS.pack(*process) if process is not None else b""
+        self.check_process = check_process
         self.caps = caps  # our AEAD capability bits (noise.CAP_AES)
         # the flags an E2E_INIT frame carries: the initiator's offer
         self.init_flags = FLAG_AES if caps & CAP_AES else 0
@@ -149,15 +164,17 @@ class E2e:
     # ------------------------------------------------------------------ sending
 
     def seal(
-        self, peer: int, peer_static: bytes, ftype: int, flags: int, body: bytes, now: float, datagram: bool
+        self, peer: int, peer_static: bytes, ftype: int, flags: int, body: bytes, now: float, datagram: bool,
+        tell: bool = False,
     ) -> tuple[list[tuple[int, bytes]], bool]:
         """What to send to `peer` for one frame: ([(outer type, body), ...], queued?). With no
-        session yet the frame waits (bounded) and an E2E_INIT goes instead; a datagram that does
-        not fit the queue is dropped (counted), a stream frame never is until the session fails."""
+        session yet the frame waits (bounded) and an E2E_INIT goes instead (telling our process
+        if `tell`: the peer's record says it reads it); a datagram that does not fit the queue is
+        dropped (counted), a stream frame never is until the session fails."""
         s = self.sessions.get(peer)
         out: list[tuple[int, bytes]] = []
         if s is None:
-            s = self._initiate(peer, peer_static, now)
+            s = self._initiate(peer, peer_static, now, tell)
             out.append((E2E_INIT, self._init_body(s)))
         if not s.established:
             if datagram and s.queued_bytes + len(body) > self.queue_bytes:
@@ -197,12 +214,15 @@ class E2e:
         header, ct = s.send.seal(plain)
         return (DATAGRAM_SEALED if datagram else SEALED), INDEX.pack(s.peer_index) + header + ct
 
-    def _initiate(self, peer: int, peer_static: bytes, now: float) -> Session:
+    def _initiate(self, peer: int, peer_static: bytes, now: float, tell: bool = False) -> Session:
         s = Session(peer, self._new_index(), True, started=now, sent_init=now)
         s.hs = HandshakeState(PATTERN, True, self.prologue, s=self.identity.dh_private, rs=peer_static)
         # message 1 carries what the responder needs to know who we are: the signing half of
-        # our public key (the Noise half is in the message) and our certificate
-        payload = self.identity.signing_public + len(self.cert).to_bytes(2, "big") + self.cert
+        # our public key (the Noise half is in the message) and our certificate; and which
+        # process of ours this is, to a responder that reads it
+        s.told = tell and bool(self.process)
+        payload = (self.identity.signing_public + len(self.cert).to_bytes(2, "big") + self.cert
+                   + (self.process if s.told else b""))
         s.msg1 = s.hs.write_message(payload)
         self._add(s)
         self.counts["initiated"] += 1
@@ -239,19 +259,30 @@ class E2e:
             raise E2eError("malformed")
         public = payload[:32] + (hs.rs or b"")
         clen = int.from_bytes(payload[32:34], "big")
-        cert = payload[34:]
-        if len(cert) != clen:
+        cert = payload[34:34 + clen]
+        process: tuple[int, int] | None = None
+        if len(payload) == 34 + clen + PROCESS.size:
+            process = PROCESS.unpack_from(payload, 34 + clen)
+        elif len(payload) != 34 + clen:
             raise E2eError("malformed")
         if node_id_of(public) != src:
             raise E2eError("bad_node_id")  # the key does not own the source id it came from
         reason = self.check_peer(src, public, cert)
         if reason is not None:
             raise E2eError(reason)
+        if process is not None and self.check_process is not None and not self.check_process(src, *process):
+            # a process of src older than one we heard of (its message 1 came late): answering
+            # would replace a session with the newer one by a session with one that is gone
+            raise E2eError("old_process")
         s = Session(src, self._new_index(), False, msg1=msg1, peer_index=peer_index, started=now)
+        s.process = process
         offered = CAP_AES if flags & FLAG_AES else 0
         s.suite = choose_suite(self.caps, offered)
+        answer = ANSWER.pack(OFFER_V1, s.suite.code, self.caps, offered)
+        if process is not None:
+            answer += self.process  # the initiator reads it (it told us its own)
         try:
-            s.msg2 = hs.write_message(ANSWER.pack(OFFER_V1, s.suite.code, self.caps, offered))
+            s.msg2 = hs.write_message(answer)
         except NoiseError:
             raise E2eError("handshake") from None
         i2r, r2i = hs.split()
@@ -277,6 +308,9 @@ class E2e:
             answer = s.hs.read_message(bytes(body[RESP_HEAD.size:]))
         except NoiseError:
             raise E2eError("handshake") from None
+        if s.told and len(answer) == ANSWER.size + PROCESS.size:
+            s.process = PROCESS.unpack_from(answer, ANSWER.size)
+            answer = answer[:ANSWER.size]
         suite = self._answered_suite(answer)
         if suite is None:
             s.hs = None  # refused: later copies of this message 2 are unknown_session

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import heapq
 import ipaddress
+import itertools
 import logging
 import struct
 from collections.abc import Callable, Iterable
@@ -50,6 +51,7 @@ _F_EXIT = 0x01
 _F_V4 = 0x02
 _F_V6 = 0x04
 _F_DNS = 0x08  # DNS suffixes follow the certificate (dns.serve_suffixes; PROTOCOL.md section 4)
+_F_PROCESS = 0x10  # the origin reads a process in end-to-end message 1 (e2e.PROCESS; section 11)
 MAX_DNS_SUFFIXES = 16
 
 
@@ -72,12 +74,14 @@ class Record:
     cert: bytes = b""  # the origin's node certificate (certificate mode), else empty
     signature: bytes = b""  # the origin's Ed25519 signature of `signed_part`
     dns: tuple[str, ...] = ()  # DNS suffixes the origin answers for (lowercase, trailing dot)
+    reads_process: bool = False  # _F_PROCESS: message 1 to it may say which process of ours it is
 
     def same_content(self, other: Record) -> bool:
         return (
             self.name == other.name and self.ipv4 == other.ipv4 and self.ipv6 == other.ipv6
             and self.cidrs == other.cidrs and self.exit == other.exit and self.neighbours == other.neighbours
             and self.key == other.key and self.cert == other.cert and self.dns == other.dns
+            and self.reads_process == other.reads_process
         )
 
     def encode(self) -> bytes:
@@ -89,12 +93,25 @@ class Record:
         return self.signed_part + bytes((len(self.signature),)) + self.signature
 
     @functools.cached_property
+    def neighbour_ids(self) -> frozenset[int]:
+        """The listed neighbours, made once (every route build asks each record)."""
+        return frozenset(n for n, _ in self.neighbours)
+
+    @functools.cached_property
+    def addresses(self) -> tuple[IPAddress, ...]:
+        """The virtual IPs, made once: `Interface.ip` builds a new address object per call,
+        and every route build reads every record's."""
+        return tuple(i.ip for i in (self.ipv4, self.ipv6) if i is not None)
+
+    @functools.cached_property
     def signed_part(self) -> bytes:
         """Everything but the signature: what the origin signs."""
         name = self.name.encode()[:255]
         flags = (_F_EXIT if self.exit else 0) | (_F_V4 if self.ipv4 else 0) | (_F_V6 if self.ipv6 else 0)
         if self.dns:
             flags |= _F_DNS
+        if self.reads_process:
+            flags |= _F_PROCESS  # nodes from before it ignore the bit
         out = bytearray(_HEAD.pack(self.origin, self.session, self.version, flags, len(name)))
         out += name
         if self.ipv4:
@@ -187,7 +204,7 @@ def decode_record(data: bytes | memoryview, pos: int = 0) -> tuple[Record, int]:
         raise RecordError("truncated record")
     return (
         Record(origin, session, version, name, ipv4, ipv6, tuple(cidrs), bool(flags & _F_EXIT),
-               tuple(sorted(neighbours)), key, cert, signature, tuple(dns)),
+               tuple(sorted(neighbours)), key, cert, signature, tuple(dns), bool(flags & _F_PROCESS)),
         pos,
     )
 
@@ -473,12 +490,18 @@ class RouteTable:
         """Origins with received records waiting for `settle`."""
         return len(self._unchecked)
 
-    def settle(self) -> int:
+    def settle(self, limit: int | None = None) -> int:
         """Check the held records (newest first per origin) and store the first that passes;
-        returns how many were stored. The mesh calls this before each build."""
+        returns how many were stored. At most `limit` origins (in the order they arrived; each
+        at most MAX_CANDIDATES checks), the rest stay held: a caller on an event loop checks a
+        full table in slices, with its I/O between them."""
         if not self._unchecked or self._accept is None:
             return 0
-        held, self._unchecked = self._unchecked, {}
+        if limit is None or limit >= len(self._unchecked):
+            held, self._unchecked = self._unchecked, {}
+        else:
+            unchecked = self._unchecked
+            held = {o: unchecked.pop(o) for o in list(itertools.islice(unchecked, limit))}
         stored = 0
         for origin, cands in held.items():
             for rec, from_nid in cands:
@@ -519,21 +542,31 @@ class RouteTable:
         if sync is None:
             return []
         # only what changed since the last call, plus unacknowledged sends past their time
-        # (no scan of the whole table per neighbour per tick)
+        # (no scan of the whole table per neighbour per tick). `sent` is in the order of the
+        # sends (each send moves its origin to the end), so the scan stops at the first one
+        # not yet due: a flood with many sends unacknowledged costs nothing per call
         candidates = sync.pending
         sync.pending = set()
         for origin, (_, when) in sync.sent.items():
-            if now - when >= self.resend_after:
-                candidates.add(origin)
+            if now - when < self.resend_after:
+                break
+            candidates.add(origin)
         out = []
         records = self.records
+        me = self.node_id
         for origin in candidates:
             rec = records.get(origin)
             if rec is None or origin == nid or sync.acked.get(origin, -1) >= rec.version:
                 continue
+            if origin == me and not rec.neighbours:
+                # an own record that lists no neighbour adds no edge to anyone's graph: a node
+                # starting would have every node check it, then its first version with links
+                # (FIRST_RTT_WAIT later) again. The version that lists one is sent (pending)
+                continue
             sent = sync.sent.get(origin)
             if sent is not None and sent[0] >= rec.version and now - sent[1] < self.resend_after:
                 continue
+            sync.sent.pop(origin, None)
             sync.sent[origin] = (rec.version, now)
             out.append(rec)
         return out
@@ -574,9 +607,11 @@ class RouteTable:
 
     # ------------------------------------------------------------ graph
 
-    def build(self) -> bool:
-        """Rebuild routes if anything changed; returns True if it did."""
-        self.settle()
+    def build(self, settle: bool = True) -> bool:
+        """Rebuild routes if anything changed; returns True if it did. Held records are
+        checked first unless `settle` is false (the mesh checks them in slices itself)."""
+        if settle:
+            self.settle()
         if not self.dirty:
             return False
         self.dirty = False
@@ -584,13 +619,12 @@ class RouteTable:
         self.builds += 1
         recs = self.records
         me = self.node_id
-        listed = {o: {n for n, _ in r.neighbours} for o, r in recs.items()}
         adj: dict[int, list[tuple[int, int]]] = {}
         for o, r in recs.items():
             edges = []
             for n, lat in r.neighbours:
-                back = listed.get(n)
-                if back is not None and o in back:
+                back = recs.get(n)
+                if back is not None and o in back.neighbour_ids:
                     edges.append((n, lat if lat > 0 else UNKNOWN_LATENCY_US))
             adj[o] = edges
         self.hop_paths = _dijkstra(adj, me, hop_first=True)
@@ -604,19 +638,14 @@ class RouteTable:
         exact: dict[IPAddress, int] = {}
         reach = self.hop_paths
         for origin in sorted(reach):  # lowest node id wins a duplicate virtual IP, everywhere
-            rec = self.records[origin]
-            for iface in (rec.ipv4, rec.ipv6):
-                if iface is None:
-                    continue
-                prev = exact.get(iface.ip)
-                if prev is not None:
+            for addr in self.records[origin].addresses:
+                prev = exact.setdefault(addr, origin)
+                if prev != origin:
                     _duplicates.labels("virtual_ip").inc()
                     _rlog.warning(
-                        f"dupip:{iface.ip}", "virtual IP %s claimed by %08x and %08x; %08x wins (lowest id)",
-                        iface.ip, prev, origin, prev,
+                        f"dupip:{addr}", "virtual IP %s claimed by %08x and %08x; %08x wins (lowest id)",
+                        addr, prev, origin, prev,
                     )
-                    continue
-                exact[iface.ip] = origin
         own = [net for net, _ in self.local.cidrs]
         cidrs: list[tuple[tuple[int, int, int, int], IPNetwork, int]] = []
         for origin, path in reach.items():

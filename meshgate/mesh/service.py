@@ -120,8 +120,28 @@ _e2e_dropped = REGISTRY.counter(
 OPEN_TIMEOUT = 10.0
 DRAIN_GIVE_UP = 1.0  # a stream moving paths waits this long for its peer to return its credit
 EXPIRY_CHECK_TICKS = 10  # ping intervals between checks for certificates that expired
-MIN_BUILD_INTERVAL = 0.05  # seconds between route builds while records keep changing
-MAX_BUILD_INTERVAL = 1.0  # ... and at most this, however long the last one took
+# Received records are checked (signatures) and flooded on at most every SETTLE_INTERVAL:
+# each hop of a flood waits for this, never for a route build. Versions of one origin that a
+# newer one supersedes within it are never checked. The first records after a quiet spell go
+# at once.
+SETTLE_INTERVAL = 0.05
+# ... at most SETTLE_BATCH origins' records per loop iteration (~3 ms of signature checks), the
+# rest in the next one: a full table arriving (a link up in a 1,000-node mesh) does not hold
+# the loop, and what it carries for streams and pings, for a tenth of a second
+SETTLE_BATCH = 32
+# Route builds (Dijkstra, lookup tables): at least MIN_BUILD_INTERVAL apart and 10x the CPU
+# the last one took; while records keep changing (a build follows the previous one within
+# twice its interval) the interval doubles, up to MAX_BUILD_INTERVAL, so a long flood (a
+# large mesh forming on a busy host) costs each node a few builds, not one per 50 ms; a
+# quiet spell resets it. A build comes sooner once no record changed for BUILD_QUIET of the
+# interval: when a flood ends, the routes follow it within a quarter of the interval.
+MIN_BUILD_INTERVAL = 0.05
+MAX_BUILD_INTERVAL = 4.0
+# Only a flood backs the builds off: more than this many records stored since the last build.
+# A node joining, leaving or restarting changes a few (its own and its neighbours'), and a
+# standing mesh's latency versions come one at a time: each is routed within the floor.
+FLOOD_CHANGES = 8
+BUILD_QUIET = 0.25
 ORIGINATE_DELAY = 0.05  # coalesce changes of the own record made within this time
 # A version that only adds links (or moves latencies) waits, polling every ORIGINATE_DELAY,
 # until the new links have their first RTT (at most FIRST_RTT_WAIT after they came up) and
@@ -192,6 +212,7 @@ class MeshService:
         self.trust = load_trust(config.node, identity, config.state_path, int(time.time()))
         own_cert = self.trust.own_cert
         self.session = int.from_bytes(os.urandom(4), "big")
+        start_version = int(time.time() * 1000)  # a restart starts above every version it sent before
         self.name = own_cert.name if own_cert is not None else config.node.name
         cidrs = cidr_claims(config.mesh)
         check_own_claims(self.trust, config.node, cidrs, config.mesh.exit_node, config.dns.serve_suffixes)
@@ -204,7 +225,7 @@ class MeshService:
         self.e2e = E2e(
             identity, self.network, self._own_cert_raw, self._check_e2e_peer,
             max_sessions=limits.e2e_sessions, queue_bytes=limits.e2e_queue_bytes,
-            caps=self.aead_caps,
+            caps=self.aead_caps, process=(self.session, start_version), check_process=self._process_current,
         )
         self.handshake_timeout = limits.handshake_timeout
         self.ping_interval = limits.mesh_ping_interval
@@ -216,12 +237,13 @@ class MeshService:
         local = Record(
             origin=self.node_id,
             session=self.session,
-            version=int(time.time() * 1000),  # a restart starts above every version it sent before
+            version=start_version,
             name=self.name,
             ipv4=config.node.ipv4 or (own_cert.ipv4 if own_cert is not None else None),
             ipv6=config.node.ipv6 or (own_cert.ipv6 if own_cert is not None else None),
             cidrs=cidrs,
             exit=config.mesh.exit_node,
+            reads_process=True,
             key=identity.public,
             cert=self._own_cert_raw,
             dns=config.dns.serve_suffixes,
@@ -248,14 +270,24 @@ class MeshService:
         self._sync_scheduled = False
         self._last_build = -1e9
         self._build_interval = MIN_BUILD_INTERVAL
-        self._build_timer: asyncio.TimerHandle | None = None
+        self._build_timer: asyncio.Handle | None = None
+        self._build_at = 0.0  # loop time _build_timer is set for
+        self._last_settle = -1e9
+        self._last_change = -1e9  # loop time a settle last stored a record that changed routes
+        self._changes = 0  # records stored since the last build
+        self._build_floor = MIN_BUILD_INTERVAL  # 10x the last build's CPU (at least the minimum)
+        self._settle_timer: asyncio.Handle | None = None  # a TimerHandle, or call_soon's
         self._originate_timer: asyncio.TimerHandle | None = None
         self._latency_timer: asyncio.TimerHandle | None = None
         self._last_originated = -1e9  # loop time the own record last changed
         self._latency_backoff = 1  # the latency hold's multiplier (LATENCY_BACKOFF_MAX)
         self._latency_versioned = -1e9  # loop time of the last latency-only re-origination
         self._reachable: set[int] = {self.node_id}
-        self._sessions: dict[int, int] = {}  # reachable origin -> the session its record carries
+        # node -> (session, version floor): the newest process of it heard of (a HELLO, an
+        # end-to-end handshake, a record); a record of another session at or below the floor
+        # is from an older process (PROTOCOL.md section 11)
+        self._processes: dict[int, tuple[int, int]] = {}
+        self._silent: set[LinkBase] = set()  # links silent for dead_after at the last tick
         self._ways_back: dict[int, LinkBase] = {}  # opener -> the link its last OPEN came in on
         self.listen_addrs: list[str] = []
         self.stats: collections.Counter[str] = collections.Counter()  # per-instance, for tests and status
@@ -337,6 +369,8 @@ class MeshService:
             self._tick_handle.cancel()
         if self._build_timer is not None:
             self._build_timer.cancel()
+        if self._settle_timer is not None:
+            self._settle_timer.cancel()
         if self._originate_timer is not None:
             self._originate_timer.cancel()
         if self._latency_timer is not None:
@@ -517,6 +551,7 @@ class MeshService:
         _handshakes.labels("ok").inc()
         self.stats["handshake_ok"] += 1
         self.peer_identity[link] = checked
+        self._heard_process(peer.node_id, peer.session, None)
         links = self.links.setdefault(peer.node_id, [])
         first = not links
         if self.traversal is not None:
@@ -738,9 +773,18 @@ class MeshService:
 
     def _tick(self) -> None:
         now = self.loop.time()
+        # A link silent for dead_after at two ticks in a row is closed. At the first it is
+        # probed: a loop that ran late (a busy host, many nodes in one process) runs its timers
+        # before it reads its sockets, so a peer's pings may be waiting unread, and a peer as
+        # late as we are (in this process) has not pinged either; by the next tick both are read
+        silent, self._silent = self._silent, set()
         for links in list(self.links.values()):
             for link in list(links):
                 if now - link.last_rx > self.dead_after:
+                    if link not in silent:
+                        self._silent.add(link)
+                        self._send_ping(link)
+                        continue
                     self.stats["link_dead"] += 1
                     log.info("mesh link %s silent for %.1fs; closing", link.url, now - link.last_rx)
                     links.remove(link)  # withdraw now; connection_lost may come later
@@ -839,49 +883,129 @@ class MeshService:
     def _sync(self) -> None:
         self._sync_scheduled = False
         now = self.loop.time()
-        if self.table.dirty or self.table.unchecked:
-            # While records pour in (a mesh forming, a flap), check and build at most once
-            # per interval: the first change after a quiet spell still builds at once.
-            wait = self._last_build + self._build_interval - now
+        if self.table.unchecked:
+            wait = self._last_settle + SETTLE_INTERVAL - now
             if wait <= 0:
-                self._build(now)
-            elif self._build_timer is None:
-                self._build_timer = self.loop.call_later(wait, self._build_later)
+                self._settle(now)
+            elif self._settle_timer is None:
+                self._settle_timer = self.loop.call_later(wait, self._settle_later)
+        if self.table.dirty:
+            # while records pour in (a mesh forming, a flap) build at most once per interval;
+            # the first change after a quiet spell still builds at once
+            due = self._build_due()
+            if due <= now:
+                self._build(now, settle=False)
+            elif self._build_timer is None or self._build_at > due:
+                if self._build_timer is not None:
+                    self._build_timer.cancel()
+                self._build_at = due  # (uvloop hands a plain Handle for a delay under 1 ms)
+                self._build_timer = self.loop.call_later(due - now, self._build_later)
         self._flood(now)
+
+    def _build_due(self) -> float:
+        """When the next build may run: the interval after the last one, or once no record
+        changed for BUILD_QUIET of it (a flood that ended), but never before the floor."""
+        last = self._last_build
+        quiet = self._last_change + BUILD_QUIET * self._build_interval
+        return max(last + self._build_floor, min(last + self._build_interval, quiet))
+
+    def _settle(self, now: float) -> None:
+        """Check the records held since the last settle and store what passes: stored ones
+        are pending for every neighbour, so the flood that follows passes them on now."""
+        self._last_settle = now
+        stored = self.table.settle(SETTLE_BATCH)
+        if stored and self.table.dirty:
+            self._last_change = now
+            self._changes += stored
+        if self.table.unchecked and self._settle_timer is None:
+            self._settle_timer = self.loop.call_soon(self._settle_later)
+
+    def _settle_later(self) -> None:
+        self._settle_timer = None
+        if self.table.unchecked:
+            self._settle(self.loop.time())
+            self._sync()
 
     def _build_later(self) -> None:
         self._build_timer = None
-        if self.table.dirty or self.table.unchecked:
-            self._build(self.loop.time())
+        if self.table.dirty:
+            now = self.loop.time()
+            due = self._build_due()
+            if due > now:  # records changed since this was set for a quiet spell
+                self._build_at = due
+                self._build_timer = self.loop.call_later(due - now, self._build_later)
+            else:
+                self._build(now, settle=False)
 
-    def _build(self, now: float) -> None:
-        # the CPU the build took, not the wall time: on a busy host a build the scheduler
-        # paused would hold every later record back (each hop of a flood waits for a build)
-        t0 = time.thread_time()
-        # received records are checked (signatures) here, so a burst's superseded versions
-        # are never checked, and the interval below bounds the CPU both take together
-        if self.table.settle():
+    def _build(self, now: float, settle: bool = True) -> None:
+        """Build the routes; with `settle` (a route needed now, a reload) every held record is
+        checked first, else only what the settle slices stored so far counts."""
+        if settle and (stored := self.table.settle()):
+            self._last_settle = now
+            self._changes += stored
             self._schedule_sync()  # flood what was stored
-        self.table.build()
-        self._last_build = now
+        # the CPU the build took, not the wall time: on a busy host a build the scheduler
+        # paused would stretch the interval for nothing
+        t0 = time.thread_time()
+        self.table.build(settle=False)
         took = time.thread_time() - t0
-        self._build_interval = min(MAX_BUILD_INTERVAL, max(MIN_BUILD_INTERVAL, 10 * took))
+        floor = self._build_floor = min(MAX_BUILD_INTERVAL, max(MIN_BUILD_INTERVAL, 10 * took))
+        if self._changes > FLOOD_CHANGES and now - self._last_build <= 2 * self._build_interval:
+            # records kept changing through the last interval: back off (bounded)
+            self._build_interval = min(MAX_BUILD_INTERVAL, max(floor, 2 * self._build_interval))
+        else:
+            self._build_interval = floor
+        self._changes = 0
+        self._last_build = now
         self.table.mark_unreachable(now)
         reachable = set(self.table.hop_paths)
         records = self.table.records
-        sessions = {o: records[o].session for o in reachable}
         if self.mux is not None:
             for gone in self._reachable - reachable:
                 self.mux.drop_peer(gone)
                 self.e2e.drop(gone)
-            # a node that restarted (same id, new session) lost its streams: so do we
-            for o, session in sessions.items():
-                seen = self._sessions.get(o)
-                if seen is not None and seen != session and o != self.node_id:
-                    self.mux.drop_peer(o)
-                    self.e2e.drop(o)
+        processes, links, e2e = self._processes, self.links, self.e2e.sessions
+        for o in [o for o in processes if o not in reachable and o not in links and o not in e2e]:
+            del processes[o]  # bounded by what is reachable, linked or in session
+        for o in reachable:
+            rec = records[o]
+            self._heard_process(o, rec.session, rec.version)
         self._reachable = reachable
-        self._sessions = sessions
+
+    def _process_current(self, node: int, session: int, start: int) -> bool:
+        """Whether `node`'s process (`session`, started at record version `start`) is the newest
+        heard of, or newer."""
+        known = self._processes.get(node)
+        return known is None or known[0] == session or start > known[1]
+
+    def _heard_process(self, node: int, session: int, floor: int | None, current_e2e: bool = False) -> None:
+        """`node` runs as `session` (a record of that version, a process that started at `floor`,
+        or, with None, its HELLO on a link up now). If that is news, a node that restarted (same
+        id, new session) lost its streams and end-to-end session: so do we, here, once, at the
+        first sign, whichever comes first; what is set up with the new process after it stays.
+        `current_e2e`: the end-to-end session is the new process's own (it just told us)."""
+        known = self._processes.get(node)
+        if known is not None and known[0] == session:
+            return
+        if floor is None:  # a link is up with it now: its newest process, whatever we held
+            floor = max(known[1] if known is not None else -1, self._record_version(node))
+        elif known is not None and floor <= known[1]:
+            return  # an older process's record (or late message) than the one we know
+        if known is None and len(self._processes) >= (
+            self.table.max_records + self.e2e.max_sessions + self.config.limits.max_peers
+        ):
+            return  # (between builds, which prune it) only restarts go unseen, as before
+        self._processes[node] = (session, floor)
+        if known is None or node == self.node_id or self.mux is None:
+            return
+        self.stats["peer_restarts"] += 1
+        self.mux.drop_peer(node)
+        if not current_e2e:
+            self.e2e.drop(node)
+
+    def _record_version(self, node: int) -> int:
+        rec = self.table.records.get(node)
+        return rec.version if rec is not None else -1
 
     def _flood(self, now: float) -> None:
         for nid in list(self.links):
@@ -1030,6 +1154,7 @@ class MeshService:
             return
         if resp is None:
             return
+        self._new_e2e_session(src)
         self._remember_way_back(src, link)
         self._send_e2e(src, [(E2E_RESP, resp), *flush])
 
@@ -1039,7 +1164,14 @@ class MeshService:
         except E2eError as e:
             self._e2e_drop(e.reason, src, link)
             return
+        self._new_e2e_session(src)
         self._send_e2e(src, flush)
+
+    def _new_e2e_session(self, src: int) -> None:
+        """A session with `src` is up: if its process said which it is, that may be news."""
+        s = self.e2e.sessions.get(src)
+        if s is not None and s.process is not None:
+            self._heard_process(src, s.process[0], s.process[1], current_e2e=True)
 
     def _send_e2e(self, dst: int, frames: list[tuple[int, bytes]]) -> None:
         out = self._route_link(dst, self.policy_flag) or self._way_back(dst)
@@ -1060,7 +1192,10 @@ class MeshService:
         static = rec.key[32:] if rec is not None and len(rec.key) == 64 else b""
         if not static and dst not in self.e2e.sessions:
             return False
-        frames, _ = self.e2e.seal(dst, static, ftype, flags, body, self.loop.time(), datagram)
+        frames, _ = self.e2e.seal(
+            dst, static, ftype, flags, body, self.loop.time(), datagram,
+            tell=rec is not None and rec.reads_process,
+        )
         outer = flags & FLAG_LATENCY
         for otype, obody in frames:
             oflags = outer | self.e2e.init_flags if otype == E2E_INIT else outer  # the AEAD offer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import time
 
 from meshgate.mesh.frames import RECORD, RECORD_EXTRA
 from meshgate.mesh.link_ring import RingTransport
@@ -55,6 +56,27 @@ async def test_wrong_secret_and_wrong_network_fail_on_both_sides() -> None:
         assert REGISTRY.value("meshgate_mesh_handshakes_total", "failed_handshake") >= 2
     finally:
         await stop_all(nodes)
+
+
+async def test_a_loop_that_ran_late_does_not_close_its_live_links() -> None:
+    """Both ends in one process, the loop blocked for longer than dead_after (a busy host, many
+    nodes in one interpreter): when it runs again each side's tick comes before anything it has
+    not read yet, and neither has pinged. The links stay; only a link silent at two ticks closes."""
+    limits = {"mesh_ping_interval": 0.2, "mesh_dead_after": 0.6}
+    r = ring_name()
+    a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"], limits=limits))
+    b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r}"], limits=limits))
+    try:
+        await async_wait_until(lambda: converged([a, b]), 10, "routes")
+        link = a.links[b.node_id][0]
+        loop = asyncio.get_running_loop()
+        loop.call_soon(time.sleep, 1.5)  # the starvation under test, not a wait
+        ticks = a._ticks
+        await async_wait_until(lambda: a._ticks >= ticks + 5, 10, "five ticks after the stall")
+        assert a.stats["link_dead"] == 0 and b.stats["link_dead"] == 0
+        assert a.links[b.node_id] == [link]
+    finally:
+        await stop_all([a, b])
 
 
 async def test_stalled_handshake_times_out_and_pending_is_bounded() -> None:

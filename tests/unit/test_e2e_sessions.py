@@ -142,3 +142,71 @@ def test_seal_now_is_seal_in_two_parts_and_only_once_the_session_is_up() -> None
     (t, whole), = a.seal(ib.node_id, ib.dh_public, STREAM_DATA, 1, body, 1.0, False)[0]
     assert t == SEALED and parts[0] + parts[1] == whole
     assert b.open(ia.node_id, memoryview(parts[0] + parts[1]), False) == (STREAM_DATA, 1, body)
+
+
+def _told_pair(check: bool = True) -> tuple[Identity, E2e, Identity, E2e, list[tuple[int, int, int]]]:
+    """a and b that tell their process (session, start version); b records what it was asked
+    to accept and accepts only processes of a started after version 100 (`check`)."""
+    ia, ib = Identity.generate(), Identity.generate()
+    asked: list[tuple[int, int, int]] = []
+
+    def current(node: int, session: int, start: int) -> bool:
+        asked.append((node, session, start))
+        return not check or start > 100
+
+    a = E2e(ia, "net", b"", lambda src, pub, cert: None, process=(0xA1, 1000))
+    b = E2e(ib, "net", b"", lambda src, pub, cert: None, process=(0xB1, 2000), check_process=current)
+    return ia, a, ib, b, asked
+
+
+def test_each_end_learns_which_process_of_the_other_it_has_a_session_with() -> None:
+    ia, a, ib, b, asked = _told_pair()
+    frames, _ = a.seal(ib.node_id, ib.dh_public, STREAM_DATA, 1, b"hi", 0.0, False, tell=True)
+    resp, _ = b.on_init(ia.node_id, frames[0][1], 0.0)
+    assert resp is not None
+    a.on_resp(ib.node_id, resp)
+    assert b.sessions[ia.node_id].process == (0xA1, 1000) and asked == [(ia.node_id, 0xA1, 1000)]
+    assert a.sessions[ib.node_id].process == (0xB1, 2000)
+
+
+def test_told_only_to_a_responder_that_reads_it_and_answered_only_when_told() -> None:
+    # not told (the responder's record lacks the flag): message 1 and 2 are the plain ones, which
+    # nodes from before this read; nothing learned either way
+    ia, a, ib, b, asked = _told_pair()
+    frames, _ = a.seal(ib.node_id, ib.dh_public, STREAM_DATA, 1, b"hi", 0.0, False)
+    plain_a = E2e(ia, "net", b"", lambda src, pub, cert: None)  # no process to tell at all
+    frames_plain, _ = plain_a.seal(ib.node_id, ib.dh_public, STREAM_DATA, 1, b"hi", 0.0, False, tell=True)
+    assert len(frames[0][1]) == len(frames_plain[0][1])
+    resp, _ = b.on_init(ia.node_id, frames[0][1], 0.0)
+    assert resp is not None
+    a.on_resp(ib.node_id, resp)
+    assert b.sessions[ia.node_id].process is None and a.sessions[ib.node_id].process is None
+    assert asked == []
+    # told: message 1 is longer by exactly the process
+    ia, a, ib, b, _ = _told_pair()
+    told, _ = a.seal(ib.node_id, ib.dh_public, STREAM_DATA, 1, b"hi", 0.0, False, tell=True)
+    assert len(told[0][1]) == len(frames[0][1]) + 12
+
+
+def test_message_1_of_an_older_process_is_refused() -> None:
+    """A late message 1 from a process older than one already heard of must not replace the
+    session with the newer one."""
+    ia, ib = Identity.generate(), Identity.generate()
+    old = E2e(ia, "net", b"", lambda src, pub, cert: None, process=(0xA0, 50))
+    b = E2e(ib, "net", b"", lambda src, pub, cert: None, process=(0xB1, 2000),
+            check_process=lambda node, session, start: start > 100)
+    frames, _ = old.seal(ib.node_id, ib.dh_public, STREAM_DATA, 1, b"hi", 0.0, False, tell=True)
+    with pytest.raises(E2eError) as e:
+        b.on_init(ia.node_id, frames[0][1], 0.0)
+    assert e.value.reason == "old_process" and ia.node_id not in b.sessions
+
+
+def test_a_message_1_payload_of_another_length_is_malformed() -> None:
+    ia, ib = Identity.generate(), Identity.generate()
+    a = E2e(ia, "net", b"", lambda src, pub, cert: None, process=(0xA1, 1000))
+    a.process += b"\x00"  # one byte more than a process
+    b = E2e(ib, "net", b"", lambda src, pub, cert: None)
+    frames, _ = a.seal(ib.node_id, ib.dh_public, STREAM_DATA, 1, b"hi", 0.0, False, tell=True)
+    with pytest.raises(E2eError) as e:
+        b.on_init(ia.node_id, frames[0][1], 0.0)
+    assert e.value.reason == "malformed"

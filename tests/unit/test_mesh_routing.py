@@ -357,3 +357,13 @@ def test_one_way_edge_is_not_used() -> None:
     t.receive_records(1, [rec(1, neighbours=())], 0)
     t.build()
     assert 1 not in t.hop_paths
+
+
+def test_the_reads_process_flag_round_trips_and_is_signed() -> None:
+    rec = Record(origin=7, session=9, version=3, name="n", reads_process=True)
+    (back,) = decode_records(encode_records([rec], 1 << 16)[0])
+    assert back.reads_process
+    plain = Record(origin=7, session=9, version=3, name="n")  # what nodes from before it send
+    (back,) = decode_records(encode_records([plain], 1 << 16)[0])
+    assert not back.reads_process
+    assert rec.signed_part != plain.signed_part  # a relay cannot set or clear it unnoticed

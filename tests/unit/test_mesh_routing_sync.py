@@ -1,0 +1,63 @@
+"""What the flood sends, without sockets: what a large mesh forming must not pay for
+(issue 18 item 5). Every record sent is checked (a signature) by every node of the mesh,
+so nothing is sent that adds nothing, and finding what to send costs nothing per call
+for what is not due."""
+
+from __future__ import annotations
+
+from meshgate.mesh.routing import Record, RouteTable
+
+
+def rec(origin: int, version: int = 1, **kw: object) -> Record:
+    return Record(origin=origin, session=100 + origin, version=version, name=f"n{origin}", **kw)  # type: ignore[arg-type]
+
+
+def test_an_own_record_without_neighbours_is_not_flooded_until_it_lists_one() -> None:
+    """A node starting has links before its record lists them (the first RTT is awaited):
+    that first record adds no edge to any graph, so sending it would only cost every node
+    one more check. The version that lists a neighbour goes; so do other origins' records."""
+    t = RouteTable(rec(0))
+    t.neighbour_up(1)
+    assert t.records_to_send(1, 0.0) == []
+    t.update_local(neighbours=((1, 100),))
+    assert [(r.origin, r.version) for r in t.records_to_send(1, 0.1)] == [(0, 2)]
+    t.receive_records(2, [rec(3)], 0.2)  # another origin's, even without neighbours
+    assert [r.origin for r in t.records_to_send(1, 0.2)] == [3]
+
+
+def test_unacknowledged_sends_are_resent_when_due_whatever_was_sent_between() -> None:
+    """The resend scan stops at the first send not yet due, so each send moves its origin to
+    the end of the order: a record sent again later must not hide one still due behind it."""
+    t = RouteTable(rec(0, neighbours=((1, 100),)), resend_after=3.0)
+    t.neighbour_up(1)
+    t.receive_records(5, [rec(2), rec(3)], 0.0)
+    assert {r.origin for r in t.records_to_send(1, 0.0)} == {0, 2, 3}
+    t.receive_records(5, [rec(2, 2)], 1.0)  # a newer version of 2, sent at 1.0
+    assert [(r.origin, r.version) for r in t.records_to_send(1, 1.0)] == [(2, 2)]
+    assert {r.origin for r in t.records_to_send(1, 3.5)} == {0, 3}  # 2 is due at 4.0
+    assert [r.origin for r in t.records_to_send(1, 4.0)] == [2]
+    t.receive_acks(1, [(0, 1), (2, 2), (3, 1)])
+    assert t.records_to_send(1, 10.0) == []
+
+
+def test_settle_checks_a_slice_at_a_time_and_a_forged_newer_version_hides_nothing() -> None:
+    """A full table arriving is checked in slices (the mesh checks one per loop iteration,
+    with its I/O between): `limit` origins in the order they arrived, the rest still held.
+    Within a slice a forged newer version (it fails the check) still cannot hide the genuine
+    older one held beside it, and a version superseded while held is never checked."""
+    checked: list[tuple[int, int]] = []
+
+    def accept(new: Record, held: Record | None) -> str | None:
+        checked.append((new.origin, new.version))
+        return "bad_signature" if new.signature == b"forged" else None
+
+    t = RouteTable(rec(0, neighbours=((1, 100),)), accept=accept)
+    t.neighbour_up(1)
+    t.receive_records(1, [rec(o) for o in range(1, 11)], 0.0)
+    t.receive_records(1, [rec(1, 5, signature=b"forged"), rec(4, 2)], 0.0)
+    assert t.settle(3) == 3 and t.unchecked == 7
+    assert sorted(o for o in t.records if o) == [1, 2, 3]
+    assert t.records[1].version == 1  # the genuine one, beside the forged newer one
+    assert checked == [(1, 5), (1, 1), (2, 1), (3, 1)]
+    assert t.settle() == 7 and t.unchecked == 0
+    assert (4, 1) not in checked and t.records[4].version == 2  # superseded while held
