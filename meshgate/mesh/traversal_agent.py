@@ -271,6 +271,13 @@ class TraversalAgent:
             return
         if src in self.host.links:
             self._count("call_while_direct")
+            # the link came first (a ping from an address we had not been told, taken as
+            # peer-reflexive), so the call names the kind of the address it runs to now
+            kinds = dict((ep, k) for k, ep in endpoints)
+            for link in self.host.links[src]:
+                addr = getattr(link, "addr", None)
+                if link.traversal_kind and addr is not None and _addr(addr) in kinds:
+                    link.traversal_kind = kinds[_addr(addr)]
             return
         if not self.host.traversal_allowed(src):
             self._drop("acl", f"node {src:08x}")

@@ -15,7 +15,7 @@ import time
 from meshgate.mesh.frames import TRAVERSAL
 from meshgate.mesh.identity import Identity
 from meshgate.mesh.service import MeshService
-from meshgate.mesh.traversal import PING, encode_call, probe_key, seal_probe
+from meshgate.mesh.traversal import LOCAL, PING, REFLEXIVE, encode_call, probe_key, seal_probe
 from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
 from tests.mesh_testing import Collector, converged, node_config, sha_server, start_node, stop_all, stream_sha
@@ -68,6 +68,32 @@ async def test_relayed_traffic_punches_a_direct_link_and_takes_it() -> None:
         status = a.status()["traversal"]
         assert isinstance(status, dict)
         assert any(e.startswith("reflexive 127.0.0.1:") for e in status["endpoints"])
+    finally:
+        srv.close()
+        await stop_all(nodes)
+
+
+async def test_a_call_that_comes_after_the_link_names_the_kind_of_its_address() -> None:
+    """A link can come up from the peer's first ping, from an address not yet heard of (taken as
+    peer-reflexive), before the peer's relayed call arrives. The call, when it comes, says what
+    that address is: `/peers` shows it (here: the call names it local)."""
+    nodes = await _line()
+    a, _b, c = nodes
+    srv, port = await sha_server()
+    try:
+        data = os.urandom(1 << 16)
+        assert await _sha(a, c, port, data) == hashlib.sha256(data).digest()
+        await async_wait_until(lambda: _direct(a, c), 10, "a direct link a - c by traversal")
+        (link,) = [k for k in a.links[c.node_id] if k.traversal_kind]
+        link.traversal_kind = REFLEXIVE  # as if it had come from c's first ping
+        host, lport = link.addr[:2]  # type: ignore[attr-defined]
+        assert c.send_traversal(a.node_id, encode_call([(LOCAL, (host, lport))], answer=False))
+
+        def path() -> str:
+            return str({p["name"]: p["path"] for p in a.peers()}["c"])
+
+        await async_wait_until(lambda: path() == "direct (traversal, local)", 10, "the label from c's call")
+        assert a.traversal is not None and a.traversal.stats.get("call_while_direct", 0) >= 1
     finally:
         srv.close()
         await stop_all(nodes)
