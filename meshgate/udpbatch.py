@@ -22,7 +22,6 @@ the same for the small values written here). It imports nothing from meshgate.
 
 from __future__ import annotations
 
-import array
 import ctypes
 import errno
 import mmap
@@ -36,8 +35,8 @@ _MSGHDR = 56  # struct msghdr on LP64 Linux
 _MMSGHDR = 64  # struct mmsghdr: the msghdr, unsigned msg_len, padding
 _IOVEC = 16
 _NAME = 32  # room for a sockaddr_in6 (28 bytes) per slot, 8-aligned
-# uint32 indexes within one mmsghdr (stride 16): msg_namelen at byte 8, msg_len at byte 56
-_U32_NAMELEN, _U32_LEN, _U32_STRIDE = 2, 14, 16
+# uint32 indexes within one mmsghdr (stride 16): msg_len at byte 56
+_U32_LEN, _U32_STRIDE = 14, 16
 # uint64 indexes within one iovec (stride 2): iov_len at byte 8
 _U64_IOVLEN = 1
 
@@ -95,7 +94,11 @@ def _address(family: int, name: bytes | bytearray | memoryview) -> tuple[Any, ..
         return socket.inet_ntop(socket.AF_INET, bytes(name[4:8])), port
     flowinfo, = struct.unpack_from(">I", name, 4)
     scope, = struct.unpack_from("=I", name, 24)
-    return socket.inet_ntop(socket.AF_INET6, bytes(name[8:24])), port, flowinfo, scope
+    host = socket.inet_ntop(socket.AF_INET6, bytes(name[8:24]))
+    if scope:  # recvfrom's text comes from getnameinfo, which names a link-local scope ("%eth0")
+        flags = socket.NI_NUMERICHOST | socket.NI_NUMERICSERV
+        host = socket.getnameinfo((host, port, flowinfo, scope), flags)[0]
+    return host, port, flowinfo, scope
 
 
 class DatagramBatch:
@@ -110,8 +113,8 @@ class DatagramBatch:
         self.family = sock.family
         self.count = count
         self.slot_size = slot_size
-        # the socket's address length: the kernel writes it into every receive header, and a
-        # reply's header carries the same (one family per socket)
+        # the socket's address length: every header has room for it, the kernel writes the same
+        # length back into a receive header (one family per socket), and a reply carries it
         namelen = 16 if sock.family == socket.AF_INET else 28
         self._data = mmap.mmap(-1, count * slot_size)
         self._names = bytearray(count * _NAME)
@@ -137,7 +140,6 @@ class DatagramBatch:
         self._send_at = ctypes.addressof(self._send)
         self._recv_u32 = memoryview(self._recv).cast("B").cast("I")  # type: ignore[arg-type]
         self._send_iov_u64 = memoryview(self._send_iov).cast("B").cast("Q")  # type: ignore[arg-type]
-        self._namelens = memoryview(array.array("I", [namelen] * count))
         self._offsets = range(0, count * slot_size, slot_size)
         self.received = 0  # datagrams in the last recv()
         self.queued = 0  # replies waiting for send()
@@ -165,11 +167,7 @@ class DatagramBatch:
                 return []
             raise OSError(err, os.strerror(err))
         self.received = n
-        u32 = self._recv_u32
-        end = n * _U32_STRIDE
-        lens = u32[_U32_LEN:end:_U32_STRIDE].tolist()
-        # the kernel wrote back each address's length: restore the room for the next call
-        u32[_U32_NAMELEN:end:_U32_STRIDE] = self._namelens[:n]
+        lens = self._recv_u32[_U32_LEN:n * _U32_STRIDE:_U32_STRIDE].tolist()
         data = self._data
         return [data[o:o + k] for o, k in zip(self._offsets, lens, strict=False)]
 

@@ -355,9 +355,10 @@ class StreamDnsProtocol(asyncio.Protocol):
 
 async def start_udp(pipeline: Pipeline, stats: ListenerStats, host: str, port: int, *,
                     reuse_port: bool = False, limiter: ClientRateLimit | None = None,
-                    fast_entries: int = 4096) -> UdpDnsServer:
+                    fast_entries: int = 4096, batched: bool = True) -> UdpDnsServer:
     """A UDP DNS server on (host, port); `fast_entries` bounds its preformed-answer table (0: every
-    query takes the general path)."""
+    query takes the general path); `batched` False: a system call per datagram even where
+    recvmmsg/sendmmsg exist (the tests compare the two)."""
     info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(info[0], socket.SOCK_DGRAM)
     try:
@@ -370,7 +371,7 @@ async def start_udp(pipeline: Pipeline, stats: ListenerStats, host: str, port: i
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RCVBUF)
         sock.bind(info[4])
         sock.setblocking(False)
-        return UdpDnsServer(sock, pipeline, stats, limiter, fast_entries)
+        return UdpDnsServer(sock, pipeline, stats, limiter, fast_entries, batched=batched)
     except BaseException:
         sock.close()
         raise
