@@ -301,7 +301,12 @@ MARKER = struct.pack(">HHHHHH", 0xFFFF, 0, 0, 0, 0, 0)  # QDCOUNT 0: a FORMERR, 
 JUNK = [b"", b"\x12", bytes(11), bytes(12),  # too short to be DNS; a FORMERR
         struct.pack(">HHHHHH", 7, 0x8000, 1, 0, 0, 0) + b"\x00\x00\x01\x00\x01",  # a response: dropped
         struct.pack(">HHHHHH", 8, 0, 1, 0, 0, 0) + b"\x03one\x07exa",  # a truncated question
-        dns.message.make_query("one.example.", "A").to_wire() + b"\x00"]  # trailing bytes
+        dns.message.make_query("one.example.", "A").to_wire() + b"\x00",  # trailing bytes
+        # longer than a batch's slot (plain.BATCH_SLOT): a 2,500-byte additional record before
+        # the OPT record, whose EDNS size and DO bit (past the slot) shape the answer
+        struct.pack(">HHHHHH", 9, 0x0100, 1, 0, 0, 2) + wire.encode_name("five.example.")
+        + b"\x00\x01\x00\x01" + b"\x00" + struct.pack(">HHIH", 16, 1, 0, 2500) + bytes(2500)
+        + b"\x00" + struct.pack(">HHIH", wire.TYPE_OPT, 700, wire.EDNS_DO, 0)]
 
 
 async def _answers(srv: plain.UdpDnsServer, clients: list[socket.socket], sent: int) -> list[list[bytes]]:
@@ -330,7 +335,7 @@ async def _answers(srv: plain.UdpDnsServer, clients: list[socket.socket], sent: 
 @settings(max_examples=30, deadline=None)
 @given(asked=st.lists(queries(), min_size=1, max_size=4),
        junk=st.binary(max_size=40),
-       bursts=st.lists(st.tuples(st.lists(st.integers(0, 11), min_size=1, max_size=150), st.floats(0.0, 1.2)),
+       bursts=st.lists(st.tuples(st.lists(st.integers(0, 13), min_size=1, max_size=150), st.floats(0.0, 1.2)),
                        min_size=1, max_size=4))
 def test_the_batched_listener_answers_as_the_one_datagram_at_a_time_one(
         asked: list[bytes], junk: bytes, bursts: list[tuple[list[int], float]], limited: bool) -> None:
@@ -344,7 +349,7 @@ def test_full_batches_answer_as_the_one_datagram_at_a_time_listener(limited: boo
     asked = [struct.pack(">HHHHH", 0x0100, 1, 0, 0, 0) + wire.encode_name(name) + struct.pack(">HH", qtype, 1)
              for name, qtype in (("five.example.", 1), ("printer.example.", 1), ("missing.example.", 1),
                                  ("one.example.", 28), ("big.example.", 1), ("ads.blocked.example.", 1))]
-    picks = [k % 14 for k in range(300)]
+    picks = [k % 15 for k in range(300)]  # every kind: the asked, JUNK and one more
     _compare_listeners(asked, b"\x01\x02\x03", [(picks, 0.0), (picks, 0.4), (picks, 1.3)], limited)
 
 
