@@ -10,11 +10,11 @@ goes from the receive header to the send header as raw bytes, never through a tu
 `DatagramBatch.open(sock, count)` gives None where the C library lacks the calls (or ctypes
 cannot load it): the caller then keeps its one-call-per-datagram loop. Both must answer alike.
 
-Memory is fixed at construction and bounded: `count` slots of `slot_size` bytes, packed, and
-behind each an overflow area for the rest of a datagram up to `max_size`, in anonymous mmaps
-(pages the kernel never wrote stay unallocated, so RSS is what datagrams touched), plus the
-headers. A reply is written into the slot of its position in the send vector, over a datagram
-that `recv()` has already copied out, so replies need no memory of their own.
+Memory is fixed at construction and bounded: `count` slots of `slot_size` bytes in one
+anonymous mmap (pages the kernel never wrote stay unallocated, so RSS is what datagrams
+touched), plus the headers. A reply is written into the slot of its position in the send
+vector, over a datagram that `recv()` has already copied out, so replies need no memory of
+their own.
 
 Only this module knows the C layouts (x86-64 and aarch64 Linux; musl's int+padding fields read
 the same for the small values written here). It imports nothing from meshgate.
@@ -103,14 +103,9 @@ def _address(family: int, name: bytes | bytearray | memoryview) -> tuple[Any, ..
 
 class DatagramBatch:
     """Up to `count` datagrams read from one UDP socket per `recv()`, and replies to their
-    senders sent per `send()`. Not thread-safe; one per socket.
+    senders sent per `send()`. Not thread-safe; one per socket."""
 
-    Each datagram is read into a slot of `slot_size` bytes, and what is longer than that into
-    an overflow area of its own (up to `max_size` in all: nothing is ever cut short). The slots
-    are packed together, so a batch of small datagrams touches few pages and cache lines; the
-    overflow areas stay unallocated until a long datagram arrives."""
-
-    def __init__(self, sock: socket.socket, count: int, slot_size: int, max_size: int) -> None:
+    def __init__(self, sock: socket.socket, count: int, slot_size: int) -> None:
         assert _CALLS is not None
         self._recvmmsg, self._sendmmsg = _CALLS
         self.sock = sock
@@ -118,56 +113,44 @@ class DatagramBatch:
         self.family = sock.family
         self.count = count
         self.slot_size = slot_size
-        over = max(max_size - slot_size, 0)
-        self.overflow_size = over
-        # one cache line between slots: with a power-of-two stride the first bytes of every
-        # slot would fall into the same few sets of the CPU's caches
-        stride = slot_size + 64
-        self._stride = stride
         # the socket's address length: every header has room for it, the kernel writes the same
         # length back into a receive header (one family per socket), and a reply carries it
         namelen = 16 if sock.family == socket.AF_INET else 28
-        self._data = mmap.mmap(-1, count * stride)
-        self._over = mmap.mmap(-1, max(count * over, 1))
+        self._data = mmap.mmap(-1, count * slot_size)
         self._names = bytearray(count * _NAME)
         self._recv = (_Mmsghdr * count)()
         self._send = (_Mmsghdr * count)()
-        self._recv_iov = (_Iovec * (2 * count))()  # slot, overflow
+        self._recv_iov = (_Iovec * count)()
         self._send_iov = (_Iovec * count)()
-        # held: while these views live the mmaps cannot be closed nor the bytearray resized, so
+        # held: while these views live the mmap cannot be closed nor the bytearray resized, so
         # the addresses the kernel is given stay valid
         self._pins: tuple[ctypes.c_char, ...] = (ctypes.c_char.from_buffer(self._data),
-                                                 ctypes.c_char.from_buffer(self._over),
                                                  ctypes.c_char.from_buffer(self._names))
-        data_at, over_at, names_at = (ctypes.addressof(pin) for pin in self._pins)
+        data_at, names_at = (ctypes.addressof(pin) for pin in self._pins)
         for i in range(count):
-            rv, sv = self._recv_iov, self._send_iov
-            rv[2 * i].iov_base = sv[i].iov_base = data_at + i * stride
-            rv[2 * i].iov_len = slot_size
-            rv[2 * i + 1].iov_base = over_at + i * over
-            rv[2 * i + 1].iov_len = over
-            for h, iov, n in ((self._recv[i].msg_hdr, rv[2 * i], 2 if over else 1),
-                              (self._send[i].msg_hdr, sv[i], 1)):
+            for hdrs, iov, size in ((self._recv, self._recv_iov, slot_size), (self._send, self._send_iov, 0)):
+                iov[i].iov_base = data_at + i * slot_size
+                iov[i].iov_len = size
+                h = hdrs[i].msg_hdr
                 h.msg_name = names_at + i * _NAME
                 h.msg_namelen = namelen
-                h.msg_iov = ctypes.addressof(iov)
-                h.msg_iovlen = n
+                h.msg_iov = ctypes.addressof(iov[i])
+                h.msg_iovlen = 1
         self._recv_at = ctypes.addressof(self._recv)
         self._send_at = ctypes.addressof(self._send)
         self._recv_u32 = memoryview(self._recv).cast("B").cast("I")  # type: ignore[arg-type]
         self._send_iov_u64 = memoryview(self._send_iov).cast("B").cast("Q")  # type: ignore[arg-type]
-        self._offsets = range(0, count * stride, stride)
+        self._offsets = range(0, count * slot_size, slot_size)
         self.received = 0  # datagrams in the last recv()
         self.queued = 0  # replies waiting for send()
 
     @classmethod
-    def open(cls, sock: socket.socket, count: int, slot_size: int = 2048,
-             max_size: int = 65535) -> DatagramBatch | None:
+    def open(cls, sock: socket.socket, count: int, slot_size: int = 65535) -> DatagramBatch | None:
         """A batch for `sock` (AF_INET or AF_INET6, SOCK_DGRAM, non-blocking), or None where
-        this process cannot batch. Replies longer than `slot_size` are the caller's to send."""
+        this process cannot batch."""
         if _CALLS is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
             return None
-        return cls(sock, count, slot_size, max_size)
+        return cls(sock, count, slot_size)
 
     def recv(self) -> list[bytes]:
         """The datagrams waiting on the socket, at most `count`, read with one system call
@@ -185,14 +168,8 @@ class DatagramBatch:
             raise OSError(err, os.strerror(err))
         self.received = n
         lens = self._recv_u32[_U32_LEN:n * _U32_STRIDE:_U32_STRIDE].tolist()
-        data, size = self._data, self.slot_size
-        out = [data[o:o + k] for o, k in zip(self._offsets, lens, strict=False)]
-        if max(lens) > size:  # a long one: its slot, then the rest from its overflow area
-            over, stride = self.overflow_size, self._stride
-            for i, k in enumerate(lens):
-                if k > size:
-                    out[i] = data[i * stride:i * stride + size] + self._over[i * over:i * over + k - size]
-        return out
+        data = self._data
+        return [data[o:o + k] for o, k in zip(self._offsets, lens, strict=False)]
 
     def address(self, i: int) -> tuple[Any, ...]:
         """The sender of datagram `i` of the last recv(), as recvfrom gives it."""
@@ -208,7 +185,7 @@ class DatagramBatch:
         if j != i:  # this reply's header is slot j's: move the sender's address there
             names = self._names
             names[j * _NAME:(j + 1) * _NAME] = names[i * _NAME:(i + 1) * _NAME]
-        at = j * self._stride
+        at = j * self.slot_size
         self._data[at:at + n] = data
         self._send_iov_u64[j * 2 + _U64_IOVLEN] = n
         self.queued = j + 1
@@ -250,4 +227,3 @@ class DatagramBatch:
         self._send_iov_u64.release()
         self._pins = ()
         self._data.close()
-        self._over.close()

@@ -42,10 +42,6 @@ UDP_RCVBUF = 4 << 20
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 READ_BATCH = 64  # datagrams answered per wake-up of a UDP listener before the loop runs others
 RECV_SIZE = 65535  # a UDP query may be as large as a datagram; what is read is what it is
-# A batched read's slot per datagram, which also holds its answer: a UDP answer is at most
-# wire.OUR_UDP_SIZE (1232) bytes, a query rarely over 512; longer queries are still read whole
-# (udpbatch's overflow areas), a longer answer goes out with sendto.
-BATCH_SLOT = 2048
 
 
 class UdpDnsServer:
@@ -77,7 +73,7 @@ class UdpDnsServer:
         self.fast = PreformedAnswers(pipeline, fast_entries) if fast_entries > 0 else None
         self.closed = False
         # recvmmsg/sendmmsg where the C library has them (udpbatch.py), else a call per datagram
-        self.batch = DatagramBatch.open(sock, READ_BATCH, BATCH_SLOT, RECV_SIZE) if batched else None
+        self.batch = DatagramBatch.open(sock, READ_BATCH, RECV_SIZE) if batched else None
         self.loop.add_reader(sock.fileno(), self._readable if self.batch is None else self._readable_batch)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
@@ -162,7 +158,7 @@ class UdpDnsServer:
                             fast.unanswered()
                             self._limited(data, addr, verdict, i)
                             continue
-                    if not reply(i, out):  # longer than a slot (an answer never is: BATCH_SLOT)
+                    if not reply(i, out):  # never: a slot holds the largest datagram
                         self._sendto(out, batch.address(i))
                     continue
             self._general(data, batch.address(i), now, i)

@@ -302,8 +302,8 @@ JUNK = [b"", b"\x12", bytes(11), bytes(12),  # too short to be DNS; a FORMERR
         struct.pack(">HHHHHH", 7, 0x8000, 1, 0, 0, 0) + b"\x00\x00\x01\x00\x01",  # a response: dropped
         struct.pack(">HHHHHH", 8, 0, 1, 0, 0, 0) + b"\x03one\x07exa",  # a truncated question
         dns.message.make_query("one.example.", "A").to_wire() + b"\x00",  # trailing bytes
-        # longer than a batch's slot (plain.BATCH_SLOT): a 2,500-byte additional record before
-        # the OPT record, whose EDNS size and DO bit (past the slot) shape the answer
+        # a long one: a 2,500-byte additional record before the OPT record, whose EDNS size and
+        # DO bit (the datagram's last bytes) shape the answer
         struct.pack(">HHHHHH", 9, 0x0100, 1, 0, 0, 2) + wire.encode_name("five.example.")
         + b"\x00\x01\x00\x01" + b"\x00" + struct.pack(">HHIH", 16, 1, 0, 2500) + bytes(2500)
         + b"\x00" + struct.pack(">HHIH", wire.TYPE_OPT, 700, wire.EDNS_DO, 0)]

@@ -52,7 +52,7 @@ def _clients(family: tuple[int, str], n: int) -> list[socket.socket]:
     return out
 
 
-def _open(server: socket.socket, count: int, slot_size: int = 2048) -> DatagramBatch:
+def _open(server: socket.socket, count: int, slot_size: int = 65535) -> DatagramBatch:
     batch = DatagramBatch.open(server, count, slot_size)
     assert batch is not None
     return batch
@@ -63,8 +63,7 @@ def test_one_call_reads_what_is_waiting_in_order_whole_and_named(family: tuple[i
     batch = _open(server, 8)
     assert batch.recv() == []  # nothing waiting: no datagram, no error
     clients = _clients(family, 2)
-    # an empty datagram, the largest IPv4 allows and others longer than a slot (2048: the
-    # rest is read into their overflow areas) among them, from two senders in turn
+    # an empty datagram and the largest IPv4 allows among them, from two senders in turn
     sizes = [0, 1, 12, 2048, 65507, 3, 4096, 2049, 100, 7]
     sent = []
     for k, size in enumerate(sizes):
@@ -124,7 +123,7 @@ def test_a_refused_reply_is_named_and_the_others_still_go(server: socket.socket)
     one comes back with its error and its sender's address; those before and after it are sent."""
     if server.family != socket.AF_INET:
         pytest.skip("the refused size is IPv4's")
-    batch = _open(server, 8, slot_size=65535)  # slots that hold a reply that long
+    batch = _open(server, 8)
     clients = _clients((socket.AF_INET, "127.0.0.1"), 2)
     for k in range(5):
         clients[k % 2].sendto(b"q%d" % k, server.getsockname())
