@@ -31,8 +31,7 @@ import struct
 import sys
 from typing import Any
 
-_MSGHDR = 56  # struct msghdr on LP64 Linux
-_MMSGHDR = 64  # struct mmsghdr: the msghdr, unsigned msg_len, padding
+_MMSGHDR = 64  # struct mmsghdr on LP64 Linux: the msghdr (56), unsigned msg_len, padding
 _IOVEC = 16
 _NAME = 32  # room for a sockaddr_in6 (28 bytes) per slot, 8-aligned
 # uint32 indexes within one mmsghdr (stride 16): msg_len at byte 56
@@ -63,7 +62,7 @@ def _libc_calls() -> tuple[Any, Any] | None:
     """libc's recvmmsg and sendmmsg with their prototypes, or None where there are none."""
     if not sys.platform.startswith("linux") or struct.calcsize("P") != 8:
         return None
-    if ctypes.sizeof(_Mmsghdr) != _MMSGHDR or ctypes.sizeof(_Iovec) != _IOVEC:
+    if ctypes.sizeof(_Mmsghdr) != _MMSGHDR or ctypes.sizeof(_Iovec) != _IOVEC:  # not the layout assumed
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)  # the process's own C library

@@ -2,7 +2,8 @@
 
 asyncio Protocols, no streams: a cached or local answer is packed into a
 pooled buffer and written in the same loop tick the query arrived in.
-Buffers: UDP recycles after `sendto` left nothing queued in the transport;
+Buffers: UDP recycles once `sendto` sent the answer or it was copied into the
+read batch's send slots (meshgate/udpbatch.py);
 TCP/TLS park a written buffer until the transport's buffer is empty
 (`release_when_drained`) and drop everything parked when the peer vanishes.
 
@@ -45,8 +46,11 @@ RECV_SIZE = 65535  # a UDP query may be as large as a datagram; what is read is 
 
 
 class UdpDnsServer:
-    """One UDP socket read in a tight loop: at most `READ_BATCH` datagrams per wake-up, each
-    answered before the next is read, with no event-loop callback per datagram.
+    """One UDP socket read in a tight loop: at most `READ_BATCH` datagrams per wake-up, with no
+    event-loop callback per datagram. Where the C library has recvmmsg/sendmmsg (udpbatch.py)
+    one call reads the wake-up's datagrams and one sends every answer known by the end of it;
+    elsewhere (or `batched` False) each datagram is read with recvfrom and answered with sendto
+    before the next is read. The answers and counts are the same either way.
 
     A repeat of a query already answered from the cache or local data is answered from
     dns/preformed.py's table (a dictionary look-up, the ID and aged TTLs patched in, nothing
@@ -56,9 +60,11 @@ class UdpDnsServer:
     takes well under a millisecond of fast hits, and the next wake-up comes after every other
     ready callback has run.
 
-    Sends: `sendto` on UDP sends all or nothing; a datagram the kernel refuses (EAGAIN: the
+    Sends: UDP sends each datagram whole or not at all; one the kernel refuses (EAGAIN: the
     socket's send buffer is full) is dropped and counted (`errors{reason="send"}`), as a full
-    network would drop it. Pooled buffers go back to the pool once sent.
+    network would drop it, and the rest of the batch is still sent. Pooled buffers go back to
+    the pool once sent or copied into the batch. Answers that wait for an upstream go out with
+    sendto when they come.
     """
 
     def __init__(self, sock: socket.socket, pipeline: Pipeline, stats: ListenerStats,
@@ -162,7 +168,7 @@ class UdpDnsServer:
                         self._sendto(out, batch.address(i))
                     continue
             self._general(data, batch.address(i), now, i)
-            if self.closed:
+            if self.closed:  # stopped meanwhile: the socket is gone, and the queued answers with it
                 return
         for addr, e in batch.send():
             self._send_failed(addr, e)
