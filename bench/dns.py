@@ -414,6 +414,32 @@ def scaling(r: Runner) -> str:
     return "\n".join(lines) if len(lines) > 1 else "dns-load: no N-against-one pairs ran"
 
 
+def against(r: Runner, ab_ref: str | None) -> str:
+    """Each meshgate row against meshgate as of --ab REF and against the peers with as many
+    threads as it has processes, per protocol row: medians over rounds of the paired ratios
+    (same round) of CPU per query and of q/s, e.g. meshgate/dnsdist, meshgate-w2/dnsdist-t2."""
+    lines = ["dns-load: meshgate against the tree before (--ab) and the peers with equal thread counts, "
+             "medians of paired ratios:"]
+    for label, rows in r.results.items():
+        server, _, proto = label.partition(" ")
+        m = re.fullmatch(r"meshgate(-w(\d+))?", server)
+        if m is None:
+            continue
+        n = int(m.group(2) or 1)
+        suffix = "" if n == 1 else f"-t{n}"
+        others = [f"meshgate@{ab_ref}{m.group(1) or ''}"] if ab_ref else []
+        others += [f"dnsdist{suffix}", f"unbound{suffix}"]
+        for other in others:
+            pairs = list(zip(rows, r.results.get(f"{other} {proto}", []), strict=False))
+            c = [a["cpu_us/q"] / b["cpu_us/q"] for a, b in pairs if b["cpu_us/q"]]
+            q = [a["qps"] / b["qps"] for a, b in pairs if b["qps"]]
+            if c and q:
+                lines.append(f"  {server}/{other} {proto}: CPU/q {fmt(statistics.median(c))}x "
+                             f"(rounds {fmt(min(c))}-{fmt(max(c))}), q/s {fmt(statistics.median(q))}x "
+                             f"(rounds {fmt(min(q))}-{fmt(max(q))})")
+    return "\n".join(lines) if len(lines) > 1 else "dns-load: no meshgate row had a partner"
+
+
 # --------------------------------------------------------------------------- 2. load against peers
 
 
@@ -569,18 +595,20 @@ def _percentile(values: list[float], p: float) -> float:
 
 def dnsperf(server: Server, mode: str, data: Path, seconds: float, extra: list[str]) -> Metrics:
     port = server.udp if mode in ("udp", "tcp") else server.doh
-    cpu0 = server.peer.cpu_seconds()
+    cpu0, kernel0 = server.peer.cpu_seconds(), server.peer.kernel_cpu_seconds()
     out = subprocess.run(["dnsperf", "-m", mode, "-s", "127.0.0.1", "-p", str(port), "-d", str(data),
                           "-l", str(seconds), "-t", "2", "-v", *extra],
                          capture_output=True, text=True, timeout=seconds + 30).stdout
     cpu = server.peer.cpu_seconds() - cpu0
+    kernel = server.peer.kernel_cpu_seconds() - kernel0
     sent = int(_grab(r"Queries sent:\s+(\d+)", out))
     done = int(_grab(r"Queries completed:\s+(\d+)", out))
     lat = [float(x) for x in re.findall(r"^> \S+ \S+ \S+ ([0-9.]+)$", out, re.M)]
     return {"threads": float(server.threads),
             "qps": float(_grab(r"Queries per second:\s+([0-9.]+)", out)), "lost": float(sent - done),
             "p50_ms": _percentile(lat, 50) * 1000, "p99_ms": _percentile(lat, 99) * 1000,
-            "cpu_us/q": cpu / max(done, 1) * 1e6, "peak_rss_MiB": server.peer.peak_rss_kib() / 1024}
+            "cpu_us/q": cpu / max(done, 1) * 1e6, "kernel_us/q": kernel / max(done, 1) * 1e6,
+            "peak_rss_MiB": server.peer.peak_rss_kib() / 1024}
 
 
 def h2load(server: Server, n: int, post: bool, uris: Path | None = None, body: Path | None = None,
@@ -670,8 +698,19 @@ def main() -> None:
     ap.add_argument("--skip-lists", action="store_true",
                     help="skip the blocklist (memory, cost) and query log (on vs off) sections")
     ap.add_argument("--blocklist-size", type=int, default=1_000_000, help="domains in the generated list")
+    ap.add_argument("--udp-batches", action="store_true",
+                    help="add dns-udp-batches: the UDP listener in process, batched vs a call per datagram")
     args = ap.parse_args()
     runners: list[Runner] = []
+
+    if args.udp_batches:
+        batches = Runner("dns-udp-batches (in process, five.bench A from the cache, dnsperf -c 16 -q 200)",
+                         rounds=args.rounds, baseline="per-datagram")
+        with tempfile.TemporaryDirectory(prefix="bench-dns-batches-") as d:
+            batches.add("per-datagram", lambda: udp_batch_variant(False, args.seconds, Path(d)))
+            batches.add("batched", lambda: udp_batch_variant(True, args.seconds, Path(d)))
+            batches.run()
+        runners.append(batches)
 
     if not args.skip_lists:
         with tempfile.TemporaryDirectory(prefix="bench-dns-lists-") as d:
@@ -714,6 +753,7 @@ def main() -> None:
             print(pooling_saves(r))
         elif r.title.startswith("dns-load"):
             print(scaling(r))
+            print(against(r, args.ab))
 
 
 def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Runner:
@@ -786,6 +826,83 @@ def _load(args: argparse.Namespace, tmp: Path, servers: dict[str, Server]) -> Ru
         add(f"{name} doh GET MISS via {up} h2load", doh_miss)
     run.run()
     return run
+
+
+# --------------------------------------------------------------------------- 2b. UDP batches in process
+# The working tree's UDP listener in this process under dnsperf (16 sockets, 200 outstanding):
+# batched (one recvmmsg per wake-up, one sendmmsg for its answers: meshgate/udpbatch.py) against
+# the same listener with a system call per datagram (start_udp(batched=False)), and how many
+# datagrams each wake-up read. The CPU is this process's (dnsperf is a child, not counted).
+
+
+def udp_batch_variant(batched: bool, seconds: float, tmp: Path) -> Metrics:
+    from meshgate.loop import new_loop
+
+    loop = new_loop("uvloop")
+    try:
+        return loop.run_until_complete(_udp_batch_variant(batched, seconds, tmp))
+    finally:
+        loop.close()
+
+
+async def _udp_batch_variant(batched: bool, seconds: float, tmp: Path) -> Metrics:
+    import resource
+
+    from meshgate.dns import plain
+
+    loop = asyncio.get_running_loop()
+    srv = await plain.start_udp(_five_a_pipeline(True, loop.time()), ListenerStats("udp://bench-batches"),
+                                "127.0.0.1", 0, batched=batched)
+    assert (srv.batch is not None) == batched, "no recvmmsg/sendmmsg here"
+    sizes: list[int] = []
+    wakeups = [0]
+    if srv.batch is not None:
+        recv = srv.batch.recv
+
+        def counting_recv() -> list[bytes]:
+            got = recv()
+            sizes.append(len(got))
+            return got
+
+        srv.batch.recv = counting_recv  # type: ignore[method-assign]
+    else:
+        readable = srv._readable
+
+        def counting_readable() -> None:
+            wakeups[0] += 1
+            readable()
+
+        loop.remove_reader(srv.sock.fileno())
+        loop.add_reader(srv.sock.fileno(), counting_readable)
+    data = tmp / "five.txt"
+    data.write_text("five.bench A\n")
+    argv = ["dnsperf", "-m", "udp", "-s", "127.0.0.1", "-p", str(srv.sock.getsockname()[1]), "-d", str(data),
+            "-c", "16", "-q", "200", "-t", "2"]
+    try:
+        warm = await asyncio.create_subprocess_exec(*argv, "-l", "0.3", stdout=subprocess.DEVNULL)
+        await warm.wait()
+        sizes.clear()
+        wakeups[0] = 0
+        q0 = srv.stats.queries.value
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        proc = await asyncio.create_subprocess_exec(*argv, "-l", str(seconds), stdout=subprocess.PIPE)
+        out = (await proc.communicate())[0].decode()
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        queries = max(srv.stats.queries.value - q0, 1)
+    finally:
+        srv.close()
+    user, kernel = r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
+    done = max(int(_grab(r"Queries completed:\s+(\d+)", out)), 1)
+    reads = len(sizes) if batched else wakeups[0]
+    m: Metrics = {"qps": float(_grab(r"Queries per second:\s+([0-9.]+)", out)),
+                  "cpu_us/q": (user + kernel) / done * 1e6, "kernel_us/q": kernel / done * 1e6,
+                  "dgrams/wakeup": queries / max(reads, 1)}
+    if batched:  # the share of datagrams read in full batches (64), in batches of 2-63, and alone
+        got = max(sum(sizes), 1)
+        m["full_share"] = sum(n for n in sizes if n == plain.READ_BATCH) / got
+        m["2-63_share"] = sum(n for n in sizes if 1 < n < plain.READ_BATCH) / got
+        m["single_share"] = sum(n for n in sizes if n == 1) / got
+    return m
 
 
 # --------------------------------------------------------------------------- 3. blocklist and query log

@@ -2,7 +2,8 @@
 
 asyncio Protocols, no streams: a cached or local answer is packed into a
 pooled buffer and written in the same loop tick the query arrived in.
-Buffers: UDP recycles after `sendto` left nothing queued in the transport;
+Buffers: UDP recycles once `sendto` sent the answer or it was copied into the
+read batch's send slots (meshgate/udpbatch.py);
 TCP/TLS park a written buffer until the transport's buffer is empty
 (`release_when_drained`) and drop everything parked when the peer vanishes.
 
@@ -28,6 +29,7 @@ from meshgate.dns.ratelimit import ClientRateLimit
 from meshgate.dns.resolver import Frontend, Pipeline, Ready
 from meshgate.dns.stats import ListenerStats
 from meshgate.logs import RateLimitedLog
+from meshgate.udpbatch import DatagramBatch
 
 log = logging.getLogger("meshgate.dns")
 rlog = RateLimitedLog(log)
@@ -44,8 +46,11 @@ RECV_SIZE = 65535  # a UDP query may be as large as a datagram; what is read is 
 
 
 class UdpDnsServer:
-    """One UDP socket read in a tight loop: at most `READ_BATCH` datagrams per wake-up, each
-    answered before the next is read, with no event-loop callback per datagram.
+    """One UDP socket read in a tight loop: at most `READ_BATCH` datagrams per wake-up, with no
+    event-loop callback per datagram. Where the C library has recvmmsg/sendmmsg (udpbatch.py)
+    one call reads the wake-up's datagrams and one sends every answer known by the end of it;
+    elsewhere (or `batched` False) each datagram is read with recvfrom and answered with sendto
+    before the next is read. The answers and counts are the same either way.
 
     A repeat of a query already answered from the cache or local data is answered from
     dns/preformed.py's table (a dictionary look-up, the ID and aged TTLs patched in, nothing
@@ -55,22 +60,27 @@ class UdpDnsServer:
     takes well under a millisecond of fast hits, and the next wake-up comes after every other
     ready callback has run.
 
-    Sends: `sendto` on UDP sends all or nothing; a datagram the kernel refuses (EAGAIN: the
+    Sends: UDP sends each datagram whole or not at all; one the kernel refuses (EAGAIN: the
     socket's send buffer is full) is dropped and counted (`errors{reason="send"}`), as a full
-    network would drop it. Pooled buffers go back to the pool once sent.
+    network would drop it, and the rest of the batch is still sent. Pooled buffers go back to
+    the pool once sent or copied into the batch. Answers that wait for an upstream go out with
+    sendto when they come.
     """
 
     def __init__(self, sock: socket.socket, pipeline: Pipeline, stats: ListenerStats,
-                 limiter: ClientRateLimit | None, fast_entries: int) -> None:
+                 limiter: ClientRateLimit | None, fast_entries: int, *, batched: bool = True) -> None:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
+        self.clock = self.loop.time  # the `now` of a wake-up (tests fix it)
         self.frontend = Frontend(pipeline, stats, limiter=limiter)
         self.pipeline = pipeline
         self.stats = stats
         self.limiter = limiter
         self.fast = PreformedAnswers(pipeline, fast_entries) if fast_entries > 0 else None
         self.closed = False
-        self.loop.add_reader(sock.fileno(), self._readable)
+        # recvmmsg/sendmmsg where the C library has them (udpbatch.py), else a call per datagram
+        self.batch = DatagramBatch.open(sock, READ_BATCH, RECV_SIZE) if batched else None
+        self.loop.add_reader(sock.fileno(), self._readable if self.batch is None else self._readable_batch)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         if name == "socket":
@@ -88,13 +98,16 @@ class UdpDnsServer:
             self.loop.remove_reader(self.sock.fileno())
             self.sock.close()
             self.frontend.close()
+            if self.batch is not None:
+                self.batch.close()
+                self.batch = None
 
     def _readable(self) -> None:
         recv = self.sock.recvfrom
         send = self.sock.sendto
         fast = self.fast if self.pipeline.query_log is None else None  # the log sees every question
         limiter = self.limiter
-        now = self.loop.time()
+        now = self.clock()
         for _ in range(READ_BATCH):
             try:
                 data, addr = recv(RECV_SIZE)
@@ -122,37 +135,88 @@ class UdpDnsServer:
         if fast is not None:
             fast.flush_counts(self.stats)
 
-    def _general(self, data: bytes, addr: tuple[Any, ...], now: float) -> None:
+    def _readable_batch(self) -> None:
+        """`_readable` with one recvmmsg for the batch and one sendmmsg for the answers known
+        at once (those from the table and the general path's immediate ones); the rest is the
+        same, query by query."""
+        batch = self.batch
+        assert batch is not None
+        for _ in range(READ_BATCH):
+            try:
+                datagrams = batch.recv()
+                break
+            except OSError:  # an ICMP error reported on the socket (not a datagram)
+                self.stats.error("icmp")
+        else:
+            return
+        fast = self.fast if self.pipeline.query_log is None else None  # the log sees every question
+        limiter = self.limiter
+        reply = batch.reply
+        now = self.clock()
+        for i, data in enumerate(datagrams):
+            if fast is not None:
+                out = fast.answer(data, now)
+                if out is not None:
+                    if limiter is not None:
+                        addr = batch.address(i)
+                        verdict = limiter.check(addr, now)
+                        if verdict:
+                            fast.unanswered()
+                            self._limited(data, addr, verdict, i)
+                            continue
+                    if not reply(i, out):  # never: a slot holds the largest datagram
+                        self._sendto(out, batch.address(i))
+                    continue
+            self._general(data, batch.address(i), now, i)
+            if self.closed:  # stopped meanwhile: the socket is gone, and the queued answers with it
+                return
+        for addr, e in batch.send():
+            self._send_failed(addr, e)
+        if fast is not None:
+            fast.flush_counts(self.stats)
+
+    def _general(self, data: bytes, addr: tuple[Any, ...], now: float, slot: int = -1) -> None:
+        """The general path for one datagram; `slot`: its index in the batch being read, whose
+        sendmmsg takes an answer known at once (-1: sendto now)."""
         fe = self.frontend
         fe.answered = None
         res = fe.query(data, now, addr, udp=True)
         if isinstance(res, Ready):
             if self.fast is not None and fe.answered is not None:
                 self.fast.learn(data, now, fe.answered, res.buffer.view())
-            self._send(res.buffer, addr)
+            self._send(res.buffer, addr, slot)
         elif res is not None:
             res.then(lambda ready: self._send(ready.buffer, addr) if ready is not None else None)
 
-    def _limited(self, data: bytes, addr: tuple[Any, ...], verdict: int) -> None:
+    def _limited(self, data: bytes, addr: tuple[Any, ...], verdict: int, slot: int = -1) -> None:
         """A learned query from a client over its rate: what Frontend.query answers then (its
         check already made: a second one would take a second token)."""
         self.stats.queries.inc()
         q = wire.parse_query(data)  # it parsed when it was learned: the same bytes parse again
         ready = self.frontend._limited(q, verdict, addr, True, q.padding)
         if ready is not None:
-            self._send(ready.buffer, addr)
+            self._send(ready.buffer, addr, slot)
 
-    def _send(self, buf: Buffer, addr: tuple[Any, ...]) -> None:
+    def _send(self, buf: Buffer, addr: tuple[Any, ...], slot: int = -1) -> None:
         if self.closed:
             buf.drop()
             return
-        try:
-            self.sock.sendto(buf.view(), addr)
-        except OSError as e:
-            buf.drop()
-            self._send_failed(addr, e)
+        batch = self.batch
+        if slot >= 0 and batch is not None and batch.reply(slot, buf.view()):
+            buf.recycle()  # copied into the batch
             return
-        buf.recycle()  # sendto copied the whole datagram
+        if self._sendto(buf.view(), addr):
+            buf.recycle()  # sendto copied the whole datagram
+        else:
+            buf.drop()
+
+    def _sendto(self, data: bytes | memoryview, addr: tuple[Any, ...]) -> bool:
+        try:
+            self.sock.sendto(data, addr)
+        except OSError as e:
+            self._send_failed(addr, e)
+            return False
+        return True
 
     def _send_failed(self, addr: tuple[Any, ...], e: OSError) -> None:
         self.stats.error("send")
@@ -297,9 +361,10 @@ class StreamDnsProtocol(asyncio.Protocol):
 
 async def start_udp(pipeline: Pipeline, stats: ListenerStats, host: str, port: int, *,
                     reuse_port: bool = False, limiter: ClientRateLimit | None = None,
-                    fast_entries: int = 4096) -> UdpDnsServer:
+                    fast_entries: int = 4096, batched: bool = True) -> UdpDnsServer:
     """A UDP DNS server on (host, port); `fast_entries` bounds its preformed-answer table (0: every
-    query takes the general path)."""
+    query takes the general path); `batched` False: a system call per datagram even where
+    recvmmsg/sendmmsg exist (the tests compare the two)."""
     info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(info[0], socket.SOCK_DGRAM)
     try:
@@ -312,7 +377,7 @@ async def start_udp(pipeline: Pipeline, stats: ListenerStats, host: str, port: i
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RCVBUF)
         sock.bind(info[4])
         sock.setblocking(False)
-        return UdpDnsServer(sock, pipeline, stats, limiter, fast_entries)
+        return UdpDnsServer(sock, pipeline, stats, limiter, fast_entries, batched=batched)
     except BaseException:
         sock.close()
         raise

@@ -18,6 +18,7 @@ import dns.query
 import dns.rcode
 import pytest
 
+from meshgate import udpbatch
 from meshgate.config import from_dict
 from meshgate.dns import service
 from meshgate.dns.plain import UdpDnsServer
@@ -157,17 +158,25 @@ async def test_repeats_come_from_the_table(tmp_path: Path, auth: LocalAuthority)
         await svc.stop()
 
 
-async def test_a_burst_is_answered_in_batches(tmp_path: Path, auth: LocalAuthority) -> None:
+@pytest.mark.parametrize("calls", ["recvmmsg", "none"])
+async def test_a_burst_is_answered_in_batches(tmp_path: Path, auth: LocalAuthority, calls: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """300 queries already waiting on the socket: all answered, in a few wake-ups of the loop
-    rather than one callback per datagram."""
+    rather than one callback per datagram; with recvmmsg/sendmmsg, or (a C library without
+    them) a system call per datagram."""
+    if calls == "none":
+        monkeypatch.setattr(udpbatch, "_CALLS", None)
+    elif not udpbatch.available():
+        pytest.skip("no recvmmsg/sendmmsg here")
     svc = await _start(tmp_path, auth, 4096)
     try:
         port = _port(svc)
         q = dns.message.make_query("www.example.test.", "A")
         await dns.asyncquery.udp(q, "127.0.0.1", port=port, timeout=5)
         server = _server(svc)
+        assert (server.batch is None) == (calls == "none")
         wakeups = [0]
-        orig = server._readable
+        orig = server._readable if server.batch is None else server._readable_batch
 
         def counting() -> None:
             wakeups[0] += 1

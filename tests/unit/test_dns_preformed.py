@@ -12,6 +12,8 @@ whole seconds since it was stored, checked with dnspython.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import socket
 import struct
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -23,10 +25,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshgate import udpbatch
 from meshgate.config import from_dict
-from meshgate.dns import wire
+from meshgate.dns import plain, wire
 from meshgate.dns.blocklist import Blocklist
 from meshgate.dns.preformed import PreformedAnswers
+from meshgate.dns.ratelimit import ClientRateLimit
 from meshgate.dns.resolver import Frontend, Pipeline, Ready
 from meshgate.dns.stats import ListenerStats
 from meshgate.metrics import REGISTRY
@@ -283,3 +287,119 @@ def test_a_blocklist_change_is_seen_within_the_memo_second(tmp_path: Path) -> No
     assert fast.answer(data, T0 + 1.0) is None
     out = _general(fe, data, T0 + 1.0)
     assert out is not None and dns.message.from_wire(out).rcode() == dns.rcode.NXDOMAIN
+
+
+# --------------------------------------------------------------------------- the listener, batched or not
+# The same property through the UDP listener itself on loopback: one listener reads and answers
+# with recvmmsg/sendmmsg (meshgate/udpbatch.py), its twin with a system call per datagram. Each
+# burst is written to both sockets before either is read, so batches mix table hits, the general
+# path, junk and (rate-limited) slips and drops; every answer must be the same bytes, and so
+# must the counters.
+
+SERIAL = itertools.count()  # a listener name per example: the counters are the registry's
+MARKER = struct.pack(">HHHHHH", 0xFFFF, 0, 0, 0, 0, 0)  # QDCOUNT 0: a FORMERR, never rate-limited
+JUNK = [b"", b"\x12", bytes(11), bytes(12),  # too short to be DNS; a FORMERR
+        struct.pack(">HHHHHH", 7, 0x8000, 1, 0, 0, 0) + b"\x00\x00\x01\x00\x01",  # a response: dropped
+        struct.pack(">HHHHHH", 8, 0, 1, 0, 0, 0) + b"\x03one\x07exa",  # a truncated question
+        dns.message.make_query("one.example.", "A").to_wire() + b"\x00",  # trailing bytes
+        # a long one: a 2,500-byte additional record before the OPT record, whose EDNS size and
+        # DO bit (the datagram's last bytes) shape the answer
+        struct.pack(">HHHHHH", 9, 0x0100, 1, 0, 0, 2) + wire.encode_name("five.example.")
+        + b"\x00\x01\x00\x01" + b"\x00" + struct.pack(">HHIH", 16, 1, 0, 2500) + bytes(2500)
+        + b"\x00" + struct.pack(">HHIH", wire.TYPE_OPT, 700, wire.EDNS_DO, 0)]
+
+
+async def _answers(srv: plain.UdpDnsServer, clients: list[socket.socket], sent: int) -> list[list[bytes]]:
+    """Every answer to what each client sent, once `srv` has counted `sent` queries in all and
+    has no question still going upstream; then a marker from each, whose answer comes after
+    every other to that client."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while srv.stats.queries.value < sent or srv.frontend.tasks:
+        assert loop.time() < deadline, (srv.stats.queries.value, sent)
+        await asyncio.sleep(0.001)
+    got = []
+    for c in clients:
+        c.sendto(MARKER, srv.sock.getsockname())
+        out = []
+        while True:
+            data = await asyncio.wait_for(loop.sock_recv(c, 65535), 10)
+            if data[:2] == MARKER[:2]:
+                break
+            out.append(data)
+        got.append(sorted(out))
+    return got
+
+
+@pytest.mark.parametrize("limited", [False, True], ids=["open", "rate-limited"])
+@settings(max_examples=30, deadline=None)
+@given(asked=st.lists(queries(), min_size=1, max_size=4),
+       junk=st.binary(max_size=40),
+       bursts=st.lists(st.tuples(st.lists(st.integers(0, 13), min_size=1, max_size=150), st.floats(0.0, 1.2)),
+                       min_size=1, max_size=4))
+def test_the_batched_listener_answers_as_the_one_datagram_at_a_time_one(
+        asked: list[bytes], junk: bytes, bursts: list[tuple[list[int], float]], limited: bool) -> None:
+    _compare_listeners(asked, junk, bursts, limited)
+
+
+@pytest.mark.parametrize("limited", [False, True], ids=["open", "rate-limited"])
+def test_full_batches_answer_as_the_one_datagram_at_a_time_listener(limited: bool) -> None:
+    """Bursts of 300 (hypothesis rarely writes long ones): several full batches per burst, so a
+    wake-up's bound and the next wake-up are crossed, and the rate limit is reached."""
+    asked = [struct.pack(">HHHHH", 0x0100, 1, 0, 0, 0) + wire.encode_name(name) + struct.pack(">HH", qtype, 1)
+             for name, qtype in (("five.example.", 1), ("printer.example.", 1), ("missing.example.", 1),
+                                 ("one.example.", 28), ("big.example.", 1), ("ads.blocked.example.", 1))]
+    picks = [k % 15 for k in range(300)]  # every kind: the asked, JUNK and one more
+    _compare_listeners(asked, b"\x01\x02\x03", [(picks, 0.0), (picks, 0.4), (picks, 1.3)], limited)
+
+
+def _compare_listeners(asked: list[bytes], junk: bytes, bursts: list[tuple[list[int], float]],
+                       limited: bool) -> None:
+    """`asked`: queries after their ID; `bursts`: which of asked + JUNK + [junk] each datagram
+    of a burst is, and how long after the burst before it the burst comes."""
+    if not udpbatch.available():
+        pytest.skip("no recvmmsg/sendmmsg here")
+
+    async def body() -> None:
+        servers: list[plain.UdpDnsServer] = []
+        clients: list[list[socket.socket]] = []  # three senders per listener, in turn
+        for batched in (True, False):
+            limiter = ClientRateLimit(10.0, 40, 2) if limited else None
+            stats = ListenerStats(f"udp://batched-{batched}-{next(SERIAL)}")
+            srv = await plain.start_udp(_pipeline(), stats, "127.0.0.1", 0, limiter=limiter, fast_entries=64,
+                                        batched=batched)
+            servers.append(srv)
+            clients.append([])
+            for _ in range(3):
+                c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 21)
+                c.bind(("127.0.0.1", 0))
+                c.setblocking(False)
+                clients[-1].append(c)
+        assert servers[0].batch is not None and servers[1].batch is None
+        kinds = [*asked, *JUNK, junk]
+        now, sent = T0, 0
+        try:
+            for picks, dt in bursts:
+                now += dt
+                datagrams = []
+                for n, k in enumerate(picks):
+                    body = kinds[k % len(kinds)]
+                    # a query under an ID of its own; junk as it is
+                    datagrams.append(struct.pack(">H", n) + body if k % len(kinds) < len(asked) else body)
+                for srv, cs in zip(servers, clients, strict=True):
+                    srv.clock = lambda now=now: now  # type: ignore[misc]
+                    for n, d in enumerate(datagrams):
+                        cs[n % 3].sendto(d, srv.sock.getsockname())
+                sent += len(datagrams)
+                got = [await _answers(srv, cs, sent) for srv, cs in zip(servers, clients, strict=True)]
+                sent += 3  # the markers
+                assert got[0] == got[1]
+            assert servers[0].stats.snapshot() == servers[1].stats.snapshot()
+        finally:
+            for srv, cs in zip(servers, clients, strict=True):
+                srv.close()
+                for c in cs:
+                    c.close()
+
+    _in_loop(body)
