@@ -98,6 +98,7 @@ SEG = struct.Struct("!BIH")
 DGRAM = struct.Struct("!BH")
 CH_DFRAG = 0x05
 DFRAG = struct.Struct("!BIHHH")  # type, datagram id, total frame bytes, offset, piece length
+ACK_DFRAG = struct.Struct("!BIQBIHHH")  # an ACK chunk, then a DFRAG chunk's header (one struct call)
 DFRAG_MAX = 0xFFFF  # a bigger frame (65536 bytes: a full-size body) takes the reliable channel
 FRAG_MIN = 64  # smallest piece but a datagram's last: leftover room below this starts a new packet
 INF = float("inf")
@@ -404,6 +405,9 @@ class UdpSession:
             return 0, 0
         local_id = self.local_id
         unpack = DATA_HEAD.unpack_from
+        unpack_ad = ACK_DFRAG.unpack_from
+        frags = self._frags
+        frames_seen = self._frames_seen  # if it turns true within the batch, _chunks reads it again
         good = 0
         off = 0
         while off < n:
@@ -434,34 +438,43 @@ class UdpSession:
                 self.confirmed = True
                 self._hs_at = None
                 self._hs_packet = None
-            pos = 0
             plen = len(plain)
-            if plain[0] == CH_ACK and plen >= ACK.size:  # every packet starts with one
-                _, wire, sack = ACK.unpack_from(plain)
+            if plen > ACK_DFRAG.size and plain[0] == CH_ACK and plain[ACK.size] == CH_DFRAG and frames_seen:
+                # an ACK and a DFRAG piece: nearly every packet of TUN traffic, one unpack for both
+                _, wire, sack, _, fid, total, foff, fn = unpack_ad(plain)
                 if sack or wire != self.snd_una & MASK:  # else nothing new: most packets of a bulk transfer
                     self._on_ack(wire, sack, now)
-                pos = ACK.size
-            if pos + DFRAG.size < plen and plain[pos] == CH_DFRAG and self._frames_seen:
-                # the next piece, in order, of a datagram being put together, filling the rest of
-                # the packet: nearly every packet of TUN traffic. Nothing it could overlap, its
-                # total checked with the first piece: only its own size and the byte bound.
-                # Anything else takes _chunks and _on_fragment's full checks.
-                _, fid, total, foff, fn = DFRAG.unpack_from(plain, pos)
-                start = pos + DFRAG.size
-                entry = self._frags.get(fid)
+                # the next piece, in order, of a datagram being put together (the rest of the packet,
+                # if any, is the start of the next datagram: _chunks takes it). Nothing it could
+                # overlap, its total checked with the first piece: only its own size and the byte
+                # bound. Anything else takes _chunks and _on_fragment's full checks.
+                entry = frags.get(fid)
                 last = foff + fn
+                stop = ACK_DFRAG.size + fn
                 cost = fn + PIECE_COST
-                if (start + fn == plen and entry is not None and foff == entry.end and total == entry.total
+                if (entry is not None and stop <= plen and foff == entry.end and total == entry.total
                         and (last == total or (last < total and fn >= FRAG_MIN)) and now < self._expire_at
                         and self._frag_bytes + cost <= self.reassembly_bytes):
-                    entry.pieces[foff] = memoryview(plain)[start:]
+                    # a view of the packet if the piece is most of it, else a copy (see _chunks)
+                    piece = memoryview(plain)[ACK_DFRAG.size : stop]
+                    entry.pieces[foff] = piece if 2 * fn >= plen else bytes(piece)
                     entry.got += fn
                     entry.cost += cost
                     entry.end = last
                     self._frag_bytes += cost
                     if entry.got == total:
                         self._complete(fid, entry)
+                    if stop < plen:
+                        self._chunks(plain, stop, now)
                     continue
+                self._chunks(plain, ACK.size, now)
+                continue
+            pos = 0
+            if plain[0] == CH_ACK and plen >= ACK.size:  # every packet starts with one
+                _, wire, sack = ACK.unpack_from(plain)
+                if sack or wire != self.snd_una & MASK:
+                    self._on_ack(wire, sack, now)
+                pos = ACK.size
             self._chunks(plain, pos, now)
         self.packets_in += good
         return good, off
