@@ -409,7 +409,8 @@ async def test_gso_refused_by_the_device_falls_back_to_one_send_per_packet() -> 
     tx = _GsoRefused(socket.AF_INET, socket.SOCK_DGRAM)
     tx.setblocking(False)
     tx.connect(rx.getsockname())
-    usock = link_udp.UdpSocket(asyncio.get_running_loop(), tx, lambda *_: None, LimitsConfig(), connected=True)
+    loop = asyncio.get_running_loop()
+    usock = link_udp.UdpSocket(loop, tx, lambda *_: None, LimitsConfig(), connected=True)
     try:
         if not usock.gso:
             pytest.skip("no UDP_SEGMENT on this kernel")
