@@ -470,37 +470,39 @@ class UdpSession:
                 bad += 1
                 continue
             plen = len(plain)
-            if plen > AD_SIZE and plain[0] == CH_ACK and plain[ACK_SIZE] == CH_DFRAG and frames_seen:
-                # an ACK and a DFRAG piece: nearly every packet of TUN traffic, one unpack for both
-                _, wire, sack, _, fid, total, foff, fn = unpack_ad(plain)
-                if sack or wire != self.snd_una & MASK:  # else nothing new: most packets of a bulk transfer
-                    self._on_ack(wire, sack, now)
-                # the next piece, in order, of a datagram being put together (the rest of the packet,
-                # if any, is the start of the next datagram: _chunks takes it). Nothing it could
-                # overlap, its total checked with the first piece: only its own size and the byte
-                # bound. Anything else takes _chunks and _on_fragment's full checks.
-                entry = frags.get(fid)
-                if entry is not None and foff == entry.end and total == entry.total:
+            if plen > AD_SIZE and frames_seen:
+                a_type, wire, sack, d_type, fid, total, foff, fn = unpack_ad(plain)
+                if a_type == CH_ACK and d_type == CH_DFRAG:
+                    # an ACK and a DFRAG piece: nearly every packet of TUN traffic, one unpack for both
+                    if sack or wire != self.snd_una & MASK:  # else nothing new (most packets)
+                        self._on_ack(wire, sack, now)
+                    # the next piece, in order, of a datagram being put together (the rest of the
+                    # packet, if any, is the start of the next datagram: _chunks takes it). Nothing
+                    # it could overlap, its total checked with the first piece: only its own size
+                    # and the byte bound. Anything else takes _chunks and _on_fragment's full checks.
+                    entry = frags.get(fid)
                     last = foff + fn
-                    stop = AD_SIZE + fn
-                    cost = fn + PIECE_COST
-                    if (stop <= plen and (last == total or (last < total and fn >= FRAG_MIN))
-                            and live and self._frag_bytes + cost <= frag_limit):
-                        # a view of the packet if the piece is most of it, else a copy (see _chunks)
-                        piece = memoryview(plain)[AD_SIZE:stop]
-                        entry.pieces[foff] = piece if 2 * fn >= plen else bytes(piece)
+                    if (entry is not None and foff == entry.end and total == entry.total and last <= total
+                            and (fn >= FRAG_MIN or last == total) and fn <= plen - AD_SIZE and live
+                            and self._frag_bytes + fn + PIECE_COST <= frag_limit):
+                        stop = AD_SIZE + fn
+                        if stop == plen:  # the piece fills the packet: a view of it
+                            entry.pieces[foff] = memoryview(plain)[AD_SIZE:]
+                        else:  # a view if the piece is most of the packet, else a copy (see _chunks)
+                            piece = memoryview(plain)[AD_SIZE:stop]
+                            entry.pieces[foff] = piece if 2 * fn >= plen else bytes(piece)
                         entry.got += fn
                         entry.end = last
-                        self._frag_bytes += cost
+                        self._frag_bytes += fn + PIECE_COST
                         if entry.got == total:
                             self._complete(fid, entry)
                         if stop < plen:
                             self._chunks(plain, stop, now)
                             live = now < self._expire_at
                         continue
-                self._chunks(plain, ACK_SIZE, now)
-                live = now < self._expire_at
-                continue
+                    self._chunks(plain, ACK_SIZE, now)
+                    live = now < self._expire_at
+                    continue
             pos = 0
             if plain[0] == CH_ACK and plen >= ACK.size:  # every packet starts with one
                 _, wire, sack = ACK.unpack_from(plain)
