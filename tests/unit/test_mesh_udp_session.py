@@ -292,6 +292,27 @@ def test_one_read_opens_across_rekeys_and_refuses_its_replay() -> None:
     assert len(w.got["b"]) == 1 + len(data)
 
 
+def test_a_record_missing_from_a_read_is_accepted_later_once() -> None:
+    """The replay window after a run of records with one missing (the inline open's all-ones
+    shortcut must not cover it): the missing one, arriving later, is opened; again, refused."""
+    w = Wire(22, window=1 << 20)
+    w.establish()
+    _hello(w)
+    data = [_big(i, 30_000) for i in range(6)]
+    for d in data:
+        w.a.send_frame(DATAGRAM, 0, 8, 1, 2, b"\x00\x03", d)
+    packets = w.a.packets_to_send(w.now)
+    size = len(packets[0])
+    late = packets.pop(100)  # behind 64 in a row and more: the window's bitmap is all ones there
+    read = memoryview(b"".join(packets))
+    assert w.b.receive_batch(read, len(read), size, w.now) == (len(packets), len(read))
+    assert len(w.got["b"]) == 1 + len(data) - 1  # the datagram with the missing piece waits
+    assert w.b.receive(late, w.now) is True
+    assert sorted(f[5][2:] for f in w.got["b"][1:]) == sorted(data)  # the late piece completed its own
+    assert w.b.receive(late, w.now) is False and w.b.replayed == 1
+    assert len(w.got["b"]) == 1 + len(data)
+
+
 def _sealed(w: Wire, plain: bytes) -> bytes:
     """A data packet from a to b with this plaintext (authentic: a's key seals it)."""
     assert w.a.send is not None
