@@ -419,13 +419,18 @@ class UdpSession:
         decrypt, nonce, window, recv_epoch = recv.current()
         local_id = self.local_id
         unpack = DATA_HEAD.unpack_from
-        unpack_ad = ACK_DFRAG.unpack_from
+        unpack_ad, pack_ad = ACK_DFRAG.unpack_from, ACK_DFRAG.pack
         frags = self._frags
         frames_seen = self._frames_seen  # if it turns true within the batch, _chunks reads it again
         frag_limit = self.reassembly_bytes
         # no entry due to expire: else _chunks first, whose _on_fragment expires them (it moves
         # _expire_at only to after `now`, so it is read again only after _chunks)
         live = now < self._expire_at
+        # the plaintext head the next packet has if it is the next piece of the datagram the last
+        # one's piece went to (set by the in-order path; None after anything else)
+        expect: bytes | None = None
+        x_entry = _Reassembly(0, now)
+        x_fid = x_end = x_fn = x_plen = x_wire = x_cost = 0
         bad = 0
         off = 0
         while off < n:
@@ -473,11 +478,30 @@ class UdpSession:
                 bad += 1
                 continue
             plen = len(plain)
+            if expect is not None:
+                if plen == x_plen and plain.startswith(expect):
+                    # exactly the head foretold by the last packet: the next full-size piece of
+                    # the same datagram, with the same ACK (nothing new in it). The checks below
+                    # held for every field of it then; only the end and the byte bound can differ.
+                    last = x_end + x_fn
+                    if last <= x_entry.total and self._frag_bytes + x_cost <= frag_limit:
+                        x_entry.pieces[x_end] = memoryview(plain)[AD_SIZE:]
+                        x_entry.got += x_fn
+                        x_entry.end = x_end = last
+                        self._frag_bytes += x_cost
+                        if x_entry.got == x_entry.total:
+                            expect = None
+                            self._complete(x_fid, x_entry)
+                        else:
+                            expect = pack_ad(CH_ACK, x_wire, 0, CH_DFRAG, x_fid, x_entry.total, last, x_fn)
+                        continue
+                expect = None
             if plen > AD_SIZE and frames_seen:
                 a_type, wire, sack, d_type, fid, total, foff, fn = unpack_ad(plain)
                 if a_type == CH_ACK and d_type == CH_DFRAG:
                     # an ACK and a DFRAG piece: nearly every packet of TUN traffic, one unpack for both
-                    if sack or wire != self.snd_una & MASK:  # else nothing new (most packets)
+                    acked = sack or wire != self.snd_una & MASK  # else nothing new (most packets)
+                    if acked:
                         self._on_ack(wire, sack, now)
                     # the next piece, in order, of a datagram being put together (the rest of the
                     # packet, if any, is the start of the next datagram: _chunks takes it). Nothing
@@ -491,6 +515,12 @@ class UdpSession:
                         stop = AD_SIZE + fn
                         if stop == plen:  # the piece fills the packet: a view of it
                             entry.pieces[foff] = memoryview(plain)[AD_SIZE:]
+                            if last < total and not acked:
+                                # foretell the next packet's head: the following piece, same size
+                                # and ACK (a flush's packets carry one ACK)
+                                expect = pack_ad(CH_ACK, wire, 0, CH_DFRAG, fid, total, last, fn)
+                                x_entry, x_fid, x_end, x_fn, x_plen = entry, fid, last, fn, plen
+                                x_wire, x_cost = wire, fn + PIECE_COST
                         else:  # a view if the piece is most of the packet, else a copy (see _chunks)
                             piece = memoryview(plain)[AD_SIZE:stop]
                             entry.pieces[foff] = piece if 2 * fn >= plen else bytes(piece)

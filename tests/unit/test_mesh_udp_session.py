@@ -328,6 +328,43 @@ def _frame(body: bytes, ftype: int = DATAGRAM) -> bytes:
     return FRAME.pack(ftype, 0, 8, len(body), 1, 2) + body
 
 
+def test_a_foretold_piece_is_still_checked() -> None:
+    """After an in-order piece, receive_batch foretells the next packet's head (same datagram,
+    size and ACK) and takes a packet that has it with fewer checks: a piece that runs past its
+    datagram's end, or past the table's byte bound, is still refused there."""
+    w = Wire(23, reassembly_bytes=7500)
+    w.establish()
+    _hello(w)
+    b = w.b
+
+    def one_read(*plains: bytes) -> None:
+        packets = [_sealed(w, p) for p in plains]
+        assert len({len(p) for p in packets}) == 1  # one GRO read: equal sizes
+        read = memoryview(b"".join(packets))
+        assert b.receive_batch(read, len(read), len(packets[0]), w.now) == (len(packets), len(read))
+
+    good = _frame(os.urandom(3500 - FRAME.size))
+    # three in-order pieces of 1000 bytes, then one more of the same size that ends past the total
+    one_read(*(_frag(1, len(good), off, good[off : off + 1000]) for off in (0, 1000, 2000)),
+             _frag(1, len(good), 3000, good[3000:] + bytes(500)))
+    assert b.frag_malformed == 1 and b.reassembly_held() == (0, 0) and b.reassembled == 0
+    # in-order pieces of a datagram the table takes (7,000 bytes) until their charge (each
+    # piece's bytes and PIECE_COST) passes the bound: the last one evicts the oldest (itself)
+    big = _frame(os.urandom(7000 - FRAME.size))
+    one_read(*(_frag(2, len(big), off, big[off : off + 1000]) for off in range(0, 7000, 1000)))
+    assert b.frag_evicted == 1 and b.reassembly_held() == (0, 0)
+    # and a datagram cut the same way, whole, is delivered
+    one_read(*(_frag(3, len(good), off, good[off : off + 1000]) for off in (0, 1000, 2000)))
+    assert b.receive(_sealed(w, _frag(3, len(good), 3000, good[3000:])), w.now) is True
+    assert b.reassembled == 1 and w.got["b"][-1][5] == good[FRAME.size :]
+    # an ACK of segments never sent is counted in every packet that carries it, foretold or not
+    before = b.malformed
+    bogus = ACK.pack(CH_ACK, 1000, 0)
+    one_read(*(bogus + _frag(4, len(good), off, good[off : off + 1000])[ACK.size :]
+               for off in (0, 1000, 2000)))
+    assert b.malformed == before + 3
+
+
 def test_bad_fragments_are_dropped_and_counted_never_delivered() -> None:
     w = Wire(12, reassembly=4, reassembly_bytes=50_000, reassembly_timeout=0.5)
     w.establish()
