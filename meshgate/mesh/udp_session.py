@@ -498,8 +498,9 @@ class UdpSession:
                 expect = None
             if plen > AD_SIZE and frames_seen:
                 a_type, wire, sack, d_type, fid, total, foff, fn = unpack_ad(plain)
-                if a_type == CH_ACK and d_type == CH_DFRAG:
-                    # an ACK and a DFRAG piece: nearly every packet of TUN traffic, one unpack for both
+                if a_type == CH_ACK:
+                    # an ACK and (nearly every packet of TUN traffic) a DFRAG piece: one unpack for
+                    # both; a packet with another chunk after its ACK takes _chunks from there
                     acked = sack or wire != self.snd_una & MASK  # else nothing new (most packets)
                     if acked:
                         self._on_ack(wire, sack, now)
@@ -507,7 +508,7 @@ class UdpSession:
                     # packet, if any, is the start of the next datagram: _chunks takes it). Nothing
                     # it could overlap, its total checked with the first piece: only its own size
                     # and the byte bound. Anything else takes _chunks and _on_fragment's full checks.
-                    entry = frags.get(fid)
+                    entry = frags.get(fid) if d_type == CH_DFRAG else None
                     last = foff + fn
                     if (entry is not None and foff == entry.end and total == entry.total and last <= total
                             and (fn >= FRAG_MIN or last == total) and fn <= plen - AD_SIZE and live
