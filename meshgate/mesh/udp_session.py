@@ -109,6 +109,7 @@ BODY_AT = DATA.size + RECORD.size  # where a data packet's ciphertext starts
 LENGTH_FROM = DATA.size + 4  # packet bytes not counted by the record header's length
 ACK_SIZE = ACK.size
 AD_SIZE = ACK_DFRAG.size
+_unpack_head, _unpack_ad, _pack_ad = DATA_HEAD.unpack_from, ACK_DFRAG.unpack_from, ACK_DFRAG.pack
 DFRAG_MAX = 0xFFFF  # a bigger frame (65536 bytes: a full-size body) takes the reliable channel
 FRAG_MIN = 64  # smallest piece but a datagram's last: leftover room below this starts a new packet
 INF = float("inf")
@@ -178,6 +179,11 @@ class _Reassembly:
         """Only for a piece that came out of order (rare): against every piece held."""
         end = off + n
         return any(o < end and off < o + len(p) for o, p in self.pieces.items())
+
+
+# receive_batch's foretold piece before there is one (entry, datagram id, end, size, packet size,
+# ACK, charge): a module constant, so that a read of one packet sets it up with one unpack
+_NOTHING_FORETOLD = (_Reassembly(0, 0.0), 0, 0, 0, 0, 0, 0)
 
 
 class UdpSession:
@@ -389,6 +395,7 @@ class UdpSession:
         send_key, recv_key = (i2r.k, r2i.k) if self.initiator else (r2i.k, i2r.k)
         self.send = SendCipher(send_key, suite=self.suite)
         self.recv = RecvCipher(recv_key, self.suite)
+        self._rx_key = self.recv.current()  # what receive_batch opens with (again after a rekey)
         self.remote_static = hs.rs or b""
         self.handshake_hash = hs.handshake_hash
         self._hs = None
@@ -416,31 +423,27 @@ class UdpSession:
         recv = self.recv
         if recv is None:
             return 0, 0
-        decrypt, nonce, window, recv_epoch = recv.current()
-        local_id = self.local_id
-        unpack = DATA_HEAD.unpack_from
-        unpack_ad, pack_ad = ACK_DFRAG.unpack_from, ACK_DFRAG.pack
+        # (little set-up: without GRO, or where a path does not coalesce, each read is one packet)
+        decrypt, nonce, window, recv_epoch = self._rx_key
         frags = self._frags
         frames_seen = self._frames_seen  # if it turns true within the batch, _chunks reads it again
-        frag_limit = self.reassembly_bytes
         # no entry due to expire: else _chunks first, whose _on_fragment expires them (it moves
         # _expire_at only to after `now`, so it is read again only after _chunks)
         live = now < self._expire_at
         # the plaintext head the next packet has if it is the next piece of the datagram the last
-        # one's piece went to (set by the in-order path; None after anything else)
+        # one's piece went to (set by the in-order path, with x_entry and the other x_ values;
+        # None after anything else)
         expect: bytes | None = None
-        x_entry = _Reassembly(0, now)
-        x_fid = x_end = x_fn = x_plen = x_wire = x_cost = 0
-        bad = 0
-        off = 0
+        x_entry, x_fid, x_end, x_fn, x_plen, x_wire, x_cost = _NOTHING_FORETOLD
+        bad = off = 0
         while off < n:
             end = off + step
             if end > n:
                 end = n
             if end - off < DATA_OVERHEAD:
                 break
-            kind, rid, length, epoch, counter = unpack(buf, off)
-            if rid != local_id or kind != KIND_DATA:
+            kind, rid, length, epoch, counter = _unpack_head(buf, off)
+            if rid != self.local_id or kind != KIND_DATA:
                 break
             if length != end - off - LENGTH_FROM:
                 self.malformed += 1
@@ -468,7 +471,7 @@ class UdpSession:
             else:
                 plain = recv.open(buf[hstart:body], epoch, counter, buf[body:end])
                 if recv.epoch != recv_epoch:  # the peer rekeyed: that record opened the next epoch
-                    decrypt, nonce, window, recv_epoch = recv.current()
+                    decrypt, nonce, window, recv_epoch = self._rx_key = recv.current()
             off = end
             if plain is None:
                 if recv.window.highest >= counter and epoch == recv.epoch:
@@ -484,7 +487,7 @@ class UdpSession:
                     # the same datagram, with the same ACK (nothing new in it). The checks below
                     # held for every field of it then; only the end and the byte bound can differ.
                     last = x_end + x_fn
-                    if last <= x_entry.total and self._frag_bytes + x_cost <= frag_limit:
+                    if last <= x_entry.total and self._frag_bytes + x_cost <= self.reassembly_bytes:
                         x_entry.pieces[x_end] = memoryview(plain)[AD_SIZE:]
                         x_entry.got += x_fn
                         x_entry.end = x_end = last
@@ -493,11 +496,11 @@ class UdpSession:
                             expect = None
                             self._complete(x_fid, x_entry)
                         else:
-                            expect = pack_ad(CH_ACK, x_wire, 0, CH_DFRAG, x_fid, x_entry.total, last, x_fn)
+                            expect = _pack_ad(CH_ACK, x_wire, 0, CH_DFRAG, x_fid, x_entry.total, last, x_fn)
                         continue
                 expect = None
             if plen > AD_SIZE and frames_seen:
-                a_type, wire, sack, d_type, fid, total, foff, fn = unpack_ad(plain)
+                a_type, wire, sack, d_type, fid, total, foff, fn = _unpack_ad(plain)
                 if a_type == CH_ACK:
                     # an ACK and (nearly every packet of TUN traffic) a DFRAG piece: one unpack for
                     # both; a packet with another chunk after its ACK takes _chunks from there
@@ -512,14 +515,14 @@ class UdpSession:
                     last = foff + fn
                     if (entry is not None and foff == entry.end and total == entry.total and last <= total
                             and (fn >= FRAG_MIN or last == total) and fn <= plen - AD_SIZE and live
-                            and self._frag_bytes + fn + PIECE_COST <= frag_limit):
+                            and self._frag_bytes + fn + PIECE_COST <= self.reassembly_bytes):
                         stop = AD_SIZE + fn
                         if stop == plen:  # the piece fills the packet: a view of it
                             entry.pieces[foff] = memoryview(plain)[AD_SIZE:]
                             if last < total and not acked:
                                 # foretell the next packet's head: the following piece, same size
                                 # and ACK (a flush's packets carry one ACK)
-                                expect = pack_ad(CH_ACK, wire, 0, CH_DFRAG, fid, total, last, fn)
+                                expect = _pack_ad(CH_ACK, wire, 0, CH_DFRAG, fid, total, last, fn)
                                 x_entry, x_fid, x_end, x_fn, x_plen = entry, fid, last, fn, plen
                                 x_wire, x_cost = wire, fn + PIECE_COST
                         else:  # a view if the piece is most of the packet, else a copy (see _chunks)
