@@ -22,6 +22,11 @@ CPU time; each run in a fresh child process. The receiver gets the packets as UD
 (runs of up to 64 equal-size packets) through `receive_batch`, one call per read as link_udp
 makes it; a REF from before receive_batch gets one `receive` call per packet (its adapter's
 per-packet calls above the session, listener and link, are not counted).
+
+`--bytecodes`: instead of CPU time, the bytecodes meshgate's own modules execute per packet
+sent and received (sys.settrace opcode events; the AEAD and other C calls count as the one
+bytecode that calls them). A count, the same under any load: on a shared machine where CPU
+time per packet moves ±20% between runs, it shows what a change to the per-packet Python did.
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ from bench.common import Metrics, Runner, add_args, git_tree, report, selected
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(workload: str, packets: int, caps: int | None) -> Metrics:
-    """One run in this process with whatever `meshgate` sys.path finds first."""
+def measure(workload: str, packets: int, caps: int | None, bytecodes: bool = False) -> Metrics:
+    """One run in this process with whatever `meshgate` sys.path finds first. `bytecodes`:
+    count the bytecodes meshgate's own code executes per packet instead of timing it."""
     import inspect
 
     from meshgate.mesh.frames import DATAGRAM, PING, STREAM_DATA
@@ -76,13 +82,19 @@ def measure(workload: str, packets: int, caps: int | None) -> Metrics:
     send_cpu = recv_cpu = 0.0
     sent = 0
     clock = time.process_time
+    ops = [0, 0]  # bytecodes while sending, while receiving
+    phase = [0]
+    if bytecodes:
+        sys.settrace(_opcode_counter(ops, phase))
     while sent < packets:
+        phase[0] = 0
         t0 = clock()
         for _ in range(8):
             a.send_frame(ftype, 0, 8, 1, 2, body)
         out = a.packets_to_send(now)
         reads = gro_reads(out) if batch else None
         t1 = clock()
+        phase[0] = 1
         if reads is not None:
             for view, n, step in reads:  # what link_udp hands the session: one call per read
                 b.receive_batch(view, n, step, now)
@@ -91,6 +103,7 @@ def measure(workload: str, packets: int, caps: int | None) -> Metrics:
                 b.receive(p, now)
         acks = b.packets_to_send(now)
         t2 = clock()
+        phase[0] = 0
         for p in acks:
             a.receive(p, now)
         t3 = clock()
@@ -98,10 +111,31 @@ def measure(workload: str, packets: int, caps: int | None) -> Metrics:
         recv_cpu += t2 - t1
         sent += len(out)
         now += 0.001
+    sys.settrace(None)
     if got[0] < sent * 1000:
         raise RuntimeError(f"{got[0]} bytes delivered for {sent} packets")
+    if bytecodes:
+        return {"send_ops/pkt": ops[0] / sent, "recv_ops/pkt": ops[1] / sent}
     return {"send_us/pkt": send_cpu / sent * 1e6, "recv_us/pkt": recv_cpu / sent * 1e6,
             "delivered_MB": got[0] / 1e6}
+
+
+def _opcode_counter(ops: list[int], phase: list[int]) -> Any:
+    """A sys.settrace hook counting the bytecodes of frames of meshgate's modules into
+    ops[phase[0]]: a count that does not move with the machine's load, unlike CPU time."""
+
+    def opcodes(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            ops[phase[0]] += 1
+        return opcodes
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and "/meshgate/" in frame.f_code.co_filename:
+            frame.f_trace_opcodes = True
+            return opcodes
+        return None
+
+    return calls
 
 
 def aead_cost(name: str, n: int = 20000) -> Metrics:
@@ -140,12 +174,15 @@ def gro_reads(packets: list[bytes]) -> list[tuple[memoryview, int, int]]:
     return reads
 
 
-def in_child(tree: Path, workload: str, packets: int, caps: int) -> Metrics:
+def in_child(tree: Path, workload: str, packets: int, caps: int, bytecodes: bool = False) -> Metrics:
     """One run in a fresh child process whose `meshgate` is the one under `tree` (every variant
     alike, so the checkout and REF start equal)."""
-    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(ROOT)!r}); "
-            "from bench.udp_packets import measure; "
-            f"print(json.dumps(measure({workload!r}, {packets}, {caps})))")
+    # meshgate imported before bench.udp_packets, which puts the checkout first on sys.path
+    # (before this, a REF's rows measured the checkout)
+    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); import meshgate; "
+            f"sys.path.insert(1, {str(ROOT)!r}); from bench.udp_packets import measure; "
+            f"assert meshgate.__file__.startswith({str(tree)!r}), meshgate.__file__; "
+            f"print(json.dumps(measure({workload!r}, {packets}, {caps}, {bytecodes})))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tree)
     result: Metrics = json.loads(r.stdout.strip().splitlines()[-1])
     return result
@@ -156,31 +193,36 @@ def main() -> int:
     add_args(ap)
     ap.add_argument("--packets", type=int, default=40000, help="packets per measurement")
     ap.add_argument("--ab", metavar="REF", help="also udp_session as of git REF (child process)")
+    ap.add_argument("--bytecodes", action="store_true",
+                    help="count meshgate's bytecodes per packet (sys.settrace) instead of CPU time")
     args = ap.parse_args()
+    bc = args.bytecodes
     from meshgate.mesh.noise import CAP_AES
 
     tree = git_tree(args.ab, tempfile.mkdtemp(prefix="meshgate-bench-udp-")) if args.ab else None
     runners: list[Runner] = []
-    r = Runner("AEAD per 1,414-byte record (seal, open)", rounds=args.rounds, baseline="chacha")
-    for name in ("aes", "chacha"):
-        r.add(name, functools.partial(aead_cost, name))
-    r.run()
-    runners.append(r)
+    if not bc:
+        r = Runner("AEAD per 1,414-byte record (seal, open)", rounds=args.rounds, baseline="chacha")
+        for name in ("aes", "chacha"):
+            r.add(name, functools.partial(aead_cost, name))
+        r.run()
+        runners.append(r)
     for workload in ("tun", "stream"):
         baseline = args.ab if args.ab else "chacha"
         r = Runner(f"udp session per packet: {workload}", rounds=args.rounds, baseline=baseline)
         variants: list[tuple[str, Any]] = [
-            ("aes", lambda w=workload: in_child(ROOT, w, args.packets, CAP_AES)),
-            ("chacha", lambda w=workload: in_child(ROOT, w, args.packets, 0)),
+            ("aes", lambda w=workload: in_child(ROOT, w, args.packets, CAP_AES, bc)),
+            ("chacha", lambda w=workload: in_child(ROOT, w, args.packets, 0, bc)),
         ]
         if tree is not None:
-            variants.append((args.ab, lambda w=workload: in_child(tree, w, args.packets, CAP_AES)))
+            variants.append((args.ab, lambda w=workload: in_child(tree, w, args.packets, CAP_AES, bc)))
         for name, fn in variants:
             if selected(args, name) or name == baseline:
                 r.add(name, fn)
         r.run()
         runners.append(r)
-    report(runners, json_path=args.json, ratio_metrics=["send_us/pkt", "recv_us/pkt", "seal_us", "open_us"])
+    report(runners, json_path=args.json, ratio_metrics=["send_us/pkt", "recv_us/pkt", "seal_us", "open_us",
+                                                        "send_ops/pkt", "recv_ops/pkt"])
     return 0
 
 

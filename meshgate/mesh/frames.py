@@ -310,6 +310,12 @@ class RecvCipher:
         self.window = _Window()
         self._prev: tuple[int, Aead, _Window] | None = None
 
+    def current(self) -> tuple[Callable[[bytes, memoryview, memoryview], bytes], Callable[[int], bytes],
+                               _Window, int]:
+        """(decrypt, nonce, window, epoch) of the current key: udp:// links open a batch of
+        packets with them inline (UdpSession.receive_batch), records of other epochs by `open`."""
+        return self._aead.decrypt, self.nonce, self.window, self.epoch
+
     def open(self, header: bytes | memoryview, epoch: int, counter: int, ct: memoryview) -> bytes | None:
         """Plaintext, or None when replayed/out of window/forged (the caller counts it)."""
         if epoch == self.epoch:

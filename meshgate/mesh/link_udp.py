@@ -127,6 +127,22 @@ def gso_supported(sock: socket.socket) -> bool:
     return True
 
 
+def gso_run(sizes: list[int], i: int) -> int:
+    """The end of the GSO run that starts at packet i: packets of its size, then maybe one
+    shorter, at most GSO_MAX_SEGMENTS and GSO_MAX_BYTES. The usual case (a flush's full-size
+    packets) costs one C-level count per run, not Python per packet."""
+    n, size = len(sizes), sizes[i]
+    full = max(i + 1, min(n, i + GSO_MAX_SEGMENTS, i + GSO_MAX_BYTES // size))
+    if sizes[i:full].count(size) != full - i:
+        full = i + 1  # another size comes first (rare): where
+        while sizes[full] == size:
+            full += 1
+    if (full < n and full - i < GSO_MAX_SEGMENTS and sizes[full] <= size
+            and (full - i) * size + sizes[full] <= GSO_MAX_BYTES):
+        return full + 1  # a shorter one ends the run
+    return full
+
+
 class UdpSocket:
     """One UDP socket: drained reads (GRO split), per-tick batched sends (GSO)."""
 
@@ -250,17 +266,10 @@ class UdpSocket:
     def _send(self, addr: Any, src: Cmsg | None, packets: list[bytes]) -> None:
         sock = self.sock
         i, n = 0, len(packets)
+        sizes = list(map(len, packets)) if self.gso and n > 1 else []
         while i < n:
             size = len(packets[i])
-            j = i + 1
-            if self.gso:
-                total = size
-                while (
-                    j < n and j - i < GSO_MAX_SEGMENTS and len(packets[j - 1]) == size
-                    and len(packets[j]) <= size and total + len(packets[j]) <= GSO_MAX_BYTES
-                ):
-                    total += len(packets[j])
-                    j += 1
+            j = gso_run(sizes, i) if sizes and self.gso else i + 1
             try:
                 if j - i > 1:
                     anc = [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))]

@@ -49,14 +49,18 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from cryptography.exceptions import InvalidTag
+
 from meshgate.mesh.frames import (
     FRAME,
     MAGIC,
     NOISE_PATTERN,
     RECORD,
+    REPLAY_WINDOW,
     TAG,
     UNRELIABLE,
     VERSION,
+    WINDOW_MASK,
     FrameHandler,
     LinkError,
     RecvCipher,
@@ -98,6 +102,14 @@ SEG = struct.Struct("!BIH")
 DGRAM = struct.Struct("!BH")
 CH_DFRAG = 0x05
 DFRAG = struct.Struct("!BIHHH")  # type, datagram id, total frame bytes, offset, piece length
+ACK_DFRAG = struct.Struct("!BIQBIHHH")  # an ACK chunk, then a DFRAG chunk's header (one struct call)
+# the sizes receive_batch uses per packet, as plain ints (a Struct's .size is an attribute lookup)
+DATA_SIZE = DATA.size
+BODY_AT = DATA.size + RECORD.size  # where a data packet's ciphertext starts
+LENGTH_FROM = DATA.size + 4  # packet bytes not counted by the record header's length
+ACK_SIZE = ACK.size
+AD_SIZE = ACK_DFRAG.size
+_unpack_head, _unpack_ad, _pack_ad = DATA_HEAD.unpack_from, ACK_DFRAG.unpack_from, ACK_DFRAG.pack
 DFRAG_MAX = 0xFFFF  # a bigger frame (65536 bytes: a full-size body) takes the reliable channel
 FRAG_MIN = 64  # smallest piece but a datagram's last: leftover room below this starts a new packet
 INF = float("inf")
@@ -149,21 +161,29 @@ def _unwrap(wire: int, ref: int) -> int:
 class _Reassembly:
     """The pieces of one fragmented datagram received so far."""
 
-    __slots__ = ("cost", "created", "end", "got", "in_order", "pieces", "total")
+    __slots__ = ("created", "end", "got", "in_order", "pieces", "total")
 
     def __init__(self, total: int, created: float) -> None:
         self.total = total
         self.created = created
-        self.got = 0  # piece bytes held
-        self.cost = 0  # what they are charged against the table's byte bound
+        self.got = 0  # piece bytes held; they are charged got + PIECE_COST per piece (`cost`)
         self.end = 0  # the highest end of a piece so far: a piece at or past it overlaps nothing
         self.in_order = True  # every piece came at or past `end` (the pieces dict is in offset order)
         self.pieces: dict[int, bytes | memoryview] = {}  # offset -> piece
+
+    def cost(self) -> int:
+        """What the pieces held are charged against the table's byte bound."""
+        return self.got + PIECE_COST * len(self.pieces)
 
     def overlaps(self, off: int, n: int) -> bool:
         """Only for a piece that came out of order (rare): against every piece held."""
         end = off + n
         return any(o < end and off < o + len(p) for o, p in self.pieces.items())
+
+
+# receive_batch's foretold piece before there is one (entry, datagram id, end, size, packet size,
+# ACK, charge): a module constant, so that a read of one packet sets it up with one unpack
+_NOTHING_FORETOLD = (_Reassembly(0, 0.0), 0, 0, 0, 0, 0, 0)
 
 
 class UdpSession:
@@ -375,6 +395,7 @@ class UdpSession:
         send_key, recv_key = (i2r.k, r2i.k) if self.initiator else (r2i.k, i2r.k)
         self.send = SendCipher(send_key, suite=self.suite)
         self.recv = RecvCipher(recv_key, self.suite)
+        self._rx_key = self.recv.current()  # what receive_batch opens with (again after a rekey)
         self.remote_static = hs.rs or b""
         self.handshake_hash = hs.handshake_hash
         self._hs = None
@@ -402,67 +423,137 @@ class UdpSession:
         recv = self.recv
         if recv is None:
             return 0, 0
-        local_id = self.local_id
-        unpack = DATA_HEAD.unpack_from
-        good = 0
-        off = 0
+        # (little set-up: without GRO, or where a path does not coalesce, each read is one packet)
+        decrypt, nonce, window, recv_epoch = self._rx_key
+        frags = self._frags
+        frames_seen = self._frames_seen  # if it turns true within the batch, _chunks reads it again
+        # no entry due to expire: else _chunks first, whose _on_fragment expires them (it moves
+        # _expire_at only to after `now`, so it is read again only after _chunks)
+        live = now < self._expire_at
+        # the plaintext head the next packet has if it is the next piece of the datagram the last
+        # one's piece went to (set by the in-order path, with x_entry and the other x_ values;
+        # None after anything else)
+        expect: bytes | None = None
+        x_entry, x_fid, x_end, x_fn, x_plen, x_wire, x_cost = _NOTHING_FORETOLD
+        bad = off = 0
         while off < n:
             end = off + step
             if end > n:
                 end = n
-            if end - off < DATA_OVERHEAD or buf[off] != KIND_DATA:
+            if end - off < DATA_OVERHEAD:
                 break
-            _, rid, length, epoch, counter = unpack(buf, off)
-            if rid != local_id:
+            kind, rid, length, epoch, counter = _unpack_head(buf, off)
+            if rid != self.local_id or kind != KIND_DATA:
                 break
-            if length != end - off - DATA.size - 4:
+            if length != end - off - LENGTH_FROM:
                 self.malformed += 1
+                bad += 1
                 off = end
                 continue
-            hstart = off + DATA.size
-            body = hstart + RECORD.size
-            plain = recv.open(buf[hstart:body], epoch, counter, buf[body:end])
+            hstart = off + DATA_SIZE
+            body = off + BODY_AT
+            hi = window.highest
+            if counter > hi and epoch == recv_epoch:
+                # a newer record of the current key (nearly every packet): RecvCipher.open's
+                # first case without the call
+                try:
+                    plain: bytes | None = decrypt(nonce(counter), buf[body:end], buf[hstart:body])
+                except InvalidTag:
+                    plain = None
+                else:
+                    shift = counter - hi
+                    # the next counter with none missing: the bitmap stays all ones (no big-int
+                    # arithmetic for nearly every packet of a lossless path)
+                    if shift != 1 or window.bitmap != WINDOW_MASK:
+                        window.bitmap = (((window.bitmap << shift) | 1) & WINDOW_MASK
+                                         if shift < REPLAY_WINDOW else 1)
+                    window.highest = counter
+            else:
+                plain = recv.open(buf[hstart:body], epoch, counter, buf[body:end])
+                if recv.epoch != recv_epoch:  # the peer rekeyed: that record opened the next epoch
+                    decrypt, nonce, window, recv_epoch = self._rx_key = recv.current()
             off = end
             if plain is None:
                 if recv.window.highest >= counter and epoch == recv.epoch:
                     self.replayed += 1
                 else:
                     self.forged += 1
+                bad += 1
                 continue
-            good += 1
-            if not self.confirmed:
-                self.confirmed = True
-                self._hs_at = None
-                self._hs_packet = None
-            pos = 0
             plen = len(plain)
+            if expect is not None:
+                if plen == x_plen and plain.startswith(expect):
+                    # exactly the head foretold by the last packet: the next full-size piece of
+                    # the same datagram, with the same ACK (nothing new in it). The checks below
+                    # held for every field of it then; only the end and the byte bound can differ.
+                    last = x_end + x_fn
+                    if last <= x_entry.total and self._frag_bytes + x_cost <= self.reassembly_bytes:
+                        x_entry.pieces[x_end] = memoryview(plain)[AD_SIZE:]
+                        x_entry.got += x_fn
+                        x_entry.end = x_end = last
+                        self._frag_bytes += x_cost
+                        if x_entry.got == x_entry.total:
+                            expect = None
+                            self._complete(x_fid, x_entry)
+                        else:
+                            expect = _pack_ad(CH_ACK, x_wire, 0, CH_DFRAG, x_fid, x_entry.total, last, x_fn)
+                        continue
+                expect = None
+            if plen > AD_SIZE and frames_seen:
+                a_type, wire, sack, d_type, fid, total, foff, fn = _unpack_ad(plain)
+                if a_type == CH_ACK:
+                    # an ACK and (nearly every packet of TUN traffic) a DFRAG piece: one unpack for
+                    # both; a packet with another chunk after its ACK takes _chunks from there
+                    acked = sack or wire != self.snd_una & MASK  # else nothing new (most packets)
+                    if acked:
+                        self._on_ack(wire, sack, now)
+                    # the next piece, in order, of a datagram being put together (the rest of the
+                    # packet, if any, is the start of the next datagram: _chunks takes it). Nothing
+                    # it could overlap, its total checked with the first piece: only its own size
+                    # and the byte bound. Anything else takes _chunks and _on_fragment's full checks.
+                    entry = frags.get(fid) if d_type == CH_DFRAG else None
+                    last = foff + fn
+                    if (entry is not None and foff == entry.end and total == entry.total and last <= total
+                            and (fn >= FRAG_MIN or last == total) and fn <= plen - AD_SIZE and live
+                            and self._frag_bytes + fn + PIECE_COST <= self.reassembly_bytes):
+                        stop = AD_SIZE + fn
+                        if stop == plen:  # the piece fills the packet: a view of it
+                            entry.pieces[foff] = memoryview(plain)[AD_SIZE:]
+                            if last < total and not acked:
+                                # foretell the next packet's head: the following piece, same size
+                                # and ACK (a flush's packets carry one ACK)
+                                expect = _pack_ad(CH_ACK, wire, 0, CH_DFRAG, fid, total, last, fn)
+                                x_entry, x_fid, x_end, x_fn, x_plen = entry, fid, last, fn, plen
+                                x_wire, x_cost = wire, fn + PIECE_COST
+                        else:  # a view if the piece is most of the packet, else a copy (see _chunks)
+                            piece = memoryview(plain)[AD_SIZE:stop]
+                            entry.pieces[foff] = piece if 2 * fn >= plen else bytes(piece)
+                        entry.got += fn
+                        entry.end = last
+                        self._frag_bytes += fn + PIECE_COST
+                        if entry.got == total:
+                            self._complete(fid, entry)
+                        if stop < plen:
+                            self._chunks(plain, stop, now)
+                            live = now < self._expire_at
+                        continue
+                    self._chunks(plain, ACK_SIZE, now)
+                    live = now < self._expire_at
+                    continue
+            pos = 0
             if plain[0] == CH_ACK and plen >= ACK.size:  # every packet starts with one
                 _, wire, sack = ACK.unpack_from(plain)
-                if sack or wire != self.snd_una & MASK:  # else nothing new: most packets of a bulk transfer
+                if sack or wire != self.snd_una & MASK:
                     self._on_ack(wire, sack, now)
                 pos = ACK.size
-            if pos + DFRAG.size < plen and plain[pos] == CH_DFRAG and self._frames_seen:
-                # the next piece, in order, of a datagram being put together, filling the rest of
-                # the packet: nearly every packet of TUN traffic. Nothing it could overlap, its
-                # total checked with the first piece: only its own size and the byte bound.
-                # Anything else takes _chunks and _on_fragment's full checks.
-                _, fid, total, foff, fn = DFRAG.unpack_from(plain, pos)
-                start = pos + DFRAG.size
-                entry = self._frags.get(fid)
-                last = foff + fn
-                cost = fn + PIECE_COST
-                if (start + fn == plen and entry is not None and foff == entry.end and total == entry.total
-                        and (last == total or (last < total and fn >= FRAG_MIN)) and now < self._expire_at
-                        and self._frag_bytes + cost <= self.reassembly_bytes):
-                    entry.pieces[foff] = memoryview(plain)[start:]
-                    entry.got += fn
-                    entry.cost += cost
-                    entry.end = last
-                    self._frag_bytes += cost
-                    if entry.got == total:
-                        self._complete(fid, entry)
-                    continue
             self._chunks(plain, pos, now)
+            live = now < self._expire_at
+        # every packet up to `off` was one of ours: those not counted bad were authentic
+        good = (off + step - 1) // step - bad if off else 0
+        if good and not self.confirmed:
+            self.confirmed = True  # the responder's first sealed packet: the handshake is done
+            self._hs_at = None
+            self._hs_packet = None
         self.packets_in += good
         return good, off
 
@@ -579,7 +670,6 @@ class UdpSession:
                 return
         entry.pieces[off] = piece
         entry.got += n
-        entry.cost += cost
         self._frag_bytes += cost
         if off >= entry.end:
             entry.end = off + n
@@ -614,7 +704,7 @@ class UdpSession:
 
     def _drop_entry(self, fid: int) -> None:
         entry = self._frags.pop(fid)
-        self._frag_bytes -= entry.cost
+        self._frag_bytes -= entry.cost()
 
     def _deliver_datagram(self, frame: bytes | memoryview) -> None:
         """A reassembled frame: exactly one DATAGRAM frame, or it is dropped as malformed."""
@@ -826,7 +916,8 @@ class UdpSession:
         send = self.send
         if send is None:
             return out
-        ack = self._ack_chunk()
+        wire, sack = self._ack_fields()
+        ack = ACK.pack(CH_ACK, wire, sack)
         prefix = DATA.pack(KIND_DATA, self.peer_id)
         join = b"".join
         dgrams = self._dgrams
@@ -877,8 +968,8 @@ class UdpSession:
         if dgrams:
             # the bulk path of big datagrams: every full packet of the head datagram's pieces
             # straight from its frame, locals only; its tail and the rest go through _packet
-            room = self.plain_room - ACK.size - DFRAG.size
-            pack_frag = DFRAG.pack
+            room = self.plain_room - ACK_DFRAG.size
+            pack_ad = ACK_DFRAG.pack
             while dgrams:
                 d = dgrams[0]
                 if not isinstance(d, bytes) and len(d[1]) - d[2] > room:
@@ -887,8 +978,9 @@ class UdpSession:
                     start = off
                     pieces: list[bytes] = []
                     while total - off > room:
-                        piece = frame[off : off + room]
-                        pieces.append(join((ack, pack_frag(CH_DFRAG, fid, total, off, room), piece)))
+                        # the ACK and the piece's header in one struct call, the piece added to it
+                        pieces.append(pack_ad(CH_ACK, wire, sack, CH_DFRAG, fid, total, off, room)
+                                      + frame[off : off + room])
                         off += room
                     send.seal_batch(prefix, pieces, out)
                     d[2] = off
@@ -940,7 +1032,8 @@ class UdpSession:
         header, ct = self.send.seal(b"".join(parts))
         return b"".join((prefix, header, ct))
 
-    def _ack_chunk(self) -> bytes:
+    def _ack_fields(self) -> tuple[int, int]:
+        """What the ACK chunk of this flush's packets says: (next expected segment, SACK bitmap)."""
         sack = 0
         if self._ooo:
             base = self.rcv_next + 1
@@ -948,4 +1041,4 @@ class UdpSession:
             for i in range(SACK_BITS):
                 if base + i in ooo:
                     sack |= 1 << i
-        return ACK.pack(CH_ACK, self.rcv_next & MASK, sack)
+        return self.rcv_next & MASK, sack

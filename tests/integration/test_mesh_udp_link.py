@@ -6,6 +6,7 @@ linked again; strays and wrong secrets learn nothing and are counted."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import ipaddress
 import logging
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from meshgate.config import LinkUrl
+from meshgate.config import LimitsConfig, LinkUrl
 from meshgate.mesh import link_udp
 from meshgate.mesh.link_udp import UdpLink
 from meshgate.mesh.service import MeshService
@@ -382,3 +383,43 @@ async def test_tun_bundles_fit_one_udp_packet() -> None:
         await stop_all([a, b])
         for s in socks:
             s.close()
+
+
+class _GsoRefused(socket.socket):
+    """A socket whose UDP_SEGMENT sends fail as on a device without checksum offload (EIO)."""
+
+    calls = 0
+
+    def sendmsg(self, buffers: Any, ancdata: Any = (), flags: int = 0, address: Any = None) -> int:
+        type(self).calls += 1
+        if type(self).calls > 1000:
+            raise RuntimeError("sendmsg called in a loop")
+        if any(level == link_udp.SOL_UDP and kind == link_udp.UDP_SEGMENT for level, kind, _ in ancdata):
+            raise OSError(errno.EIO, "Input/output error")
+        return super().sendmsg(buffers, ancdata, flags) if address is None else super().sendmsg(
+            buffers, ancdata, flags, address)
+
+
+async def test_gso_refused_by_the_device_falls_back_to_one_send_per_packet() -> None:
+    """The first UDP_SEGMENT send failing with EIO turns GSO off for the socket; the same
+    packets, and later ones, go one by one, in order."""
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.settimeout(5.0)
+    tx = _GsoRefused(socket.AF_INET, socket.SOCK_DGRAM)
+    tx.setblocking(False)
+    tx.connect(rx.getsockname())
+    loop = asyncio.get_running_loop()
+    usock = link_udp.UdpSocket(loop, tx, lambda *_: None, LimitsConfig(), connected=True)
+    try:
+        if not usock.gso:
+            pytest.skip("no UDP_SEGMENT on this kernel")
+        packets = [bytes([i]) * 1400 for i in range(10)] + [b"\xaa" * 300]
+        usock.send(None, packets)
+        usock.send(None, packets[:3])
+        got = [rx.recv(2048) for _ in range(len(packets) + 3)]
+        assert got == packets + packets[:3]
+        assert not usock.gso and usock.gso_batches == 0 and usock.sent == len(packets) + 3
+    finally:
+        usock.close()
+        rx.close()

@@ -262,6 +262,57 @@ def test_fragments_fill_packets_so_gso_runs_stay_whole() -> None:
     assert w.b.reassembly_held() == (0, 0)
 
 
+def test_one_read_opens_across_rekeys_and_refuses_its_replay() -> None:
+    """receive_batch opens the current key's newer records inline and every other through
+    RecvCipher.open: one GRO read in which the sender rekeyed several times delivers each
+    datagram once; the same read again delivers nothing and counts every packet as bad."""
+    w = Wire(21)
+    w.establish()
+    _hello(w)
+    assert w.a.send is not None and w.b.recv is not None
+    w.a.send.rekey_after = 7
+    data = [_big(i, 30_000) for i in range(3)]
+    for d in data:
+        w.a.send_frame(DATAGRAM, 0, 8, 1, 2, b"\x00\x03", d)
+    packets = w.a.packets_to_send(w.now)
+    size = len(packets[0])
+    assert all(len(p) == size for p in packets[:-1]) and len(packets) > 3 * 7
+    # a straggler: the last record of one epoch behind the first two of the next (a newer
+    # counter than the window's, but of the previous key)
+    epoch_of = [p[DATA.size + 4] for p in packets]
+    first = epoch_of.index(epoch_of[len(packets) // 2])
+    packets.insert(first + 1, packets.pop(first - 1))  # (after the pop, first is the second of them)
+    read = memoryview(b"".join(packets))
+    assert w.b.receive_batch(read, len(read), size, w.now) == (len(packets), len(read))
+    assert w.b.recv.epoch == w.a.send.epoch >= 3
+    assert [f[5][2:] for f in w.got["b"][1:]] == data
+    assert w.b.replayed == w.b.forged == w.b.malformed == 0
+    assert w.b.receive_batch(read, len(read), size, w.now) == (0, len(read))
+    assert w.b.replayed + w.b.forged == len(packets)
+    assert len(w.got["b"]) == 1 + len(data)
+
+
+def test_a_record_missing_from_a_read_is_accepted_later_once() -> None:
+    """The replay window after a run of records with one missing (the inline open's all-ones
+    shortcut must not cover it): the missing one, arriving later, is opened; again, refused."""
+    w = Wire(22, window=1 << 20)
+    w.establish()
+    _hello(w)
+    data = [_big(i, 30_000) for i in range(6)]
+    for d in data:
+        w.a.send_frame(DATAGRAM, 0, 8, 1, 2, b"\x00\x03", d)
+    packets = w.a.packets_to_send(w.now)
+    size = len(packets[0])
+    late = packets.pop(100)  # behind 64 in a row and more: the window's bitmap is all ones there
+    read = memoryview(b"".join(packets))
+    assert w.b.receive_batch(read, len(read), size, w.now) == (len(packets), len(read))
+    assert len(w.got["b"]) == 1 + len(data) - 1  # the datagram with the missing piece waits
+    assert w.b.receive(late, w.now) is True
+    assert sorted(f[5][2:] for f in w.got["b"][1:]) == sorted(data)  # the late piece completed its own
+    assert w.b.receive(late, w.now) is False and w.b.replayed == 1
+    assert len(w.got["b"]) == 1 + len(data)
+
+
 def _sealed(w: Wire, plain: bytes) -> bytes:
     """A data packet from a to b with this plaintext (authentic: a's key seals it)."""
     assert w.a.send is not None
@@ -275,6 +326,43 @@ def _frag(fid: int, total: int, off: int, piece: bytes) -> bytes:
 
 def _frame(body: bytes, ftype: int = DATAGRAM) -> bytes:
     return FRAME.pack(ftype, 0, 8, len(body), 1, 2) + body
+
+
+def test_a_foretold_piece_is_still_checked() -> None:
+    """After an in-order piece, receive_batch foretells the next packet's head (same datagram,
+    size and ACK) and takes a packet that has it with fewer checks: a piece that runs past its
+    datagram's end, or past the table's byte bound, is still refused there."""
+    w = Wire(23, reassembly_bytes=7500)
+    w.establish()
+    _hello(w)
+    b = w.b
+
+    def one_read(*plains: bytes) -> None:
+        packets = [_sealed(w, p) for p in plains]
+        assert len({len(p) for p in packets}) == 1  # one GRO read: equal sizes
+        read = memoryview(b"".join(packets))
+        assert b.receive_batch(read, len(read), len(packets[0]), w.now) == (len(packets), len(read))
+
+    good = _frame(os.urandom(3500 - FRAME.size))
+    # three in-order pieces of 1000 bytes, then one more of the same size that ends past the total
+    one_read(*(_frag(1, len(good), off, good[off : off + 1000]) for off in (0, 1000, 2000)),
+             _frag(1, len(good), 3000, good[3000:] + bytes(500)))
+    assert b.frag_malformed == 1 and b.reassembly_held() == (0, 0) and b.reassembled == 0
+    # in-order pieces of a datagram the table takes (7,000 bytes) until their charge (each
+    # piece's bytes and PIECE_COST) passes the bound: the last one evicts the oldest (itself)
+    big = _frame(os.urandom(7000 - FRAME.size))
+    one_read(*(_frag(2, len(big), off, big[off : off + 1000]) for off in range(0, 7000, 1000)))
+    assert b.frag_evicted == 1 and b.reassembly_held() == (0, 0)
+    # and a datagram cut the same way, whole, is delivered
+    one_read(*(_frag(3, len(good), off, good[off : off + 1000]) for off in (0, 1000, 2000)))
+    assert b.receive(_sealed(w, _frag(3, len(good), 3000, good[3000:])), w.now) is True
+    assert b.reassembled == 1 and w.got["b"][-1][5] == good[FRAME.size :]
+    # an ACK of segments never sent is counted in every packet that carries it, foretold or not
+    before = b.malformed
+    bogus = ACK.pack(CH_ACK, 1000, 0)
+    one_read(*(bogus + _frag(4, len(good), off, good[off : off + 1000])[ACK.size :]
+               for off in (0, 1000, 2000)))
+    assert b.malformed == before + 3
 
 
 def test_bad_fragments_are_dropped_and_counted_never_delivered() -> None:
