@@ -163,6 +163,11 @@ LATENCY_FLOOR_US = 50
 LATENCY_JITTER = 3
 LATENCY_HOLD_PINGS = 5
 LATENCY_BACKOFF_MAX = 64
+# Every node checks every version (~0.1 ms each) and every link carries it, so latency-only
+# versions are held for at least this many seconds per node in the route table: the whole
+# mesh makes about one a second, whatever its size (a 100-node mesh: one per node per 100 s;
+# 5 nodes: the 5 s hold). Topology changes (links up or down) are not held.
+LATENCY_MESH_SHARE = 1.0
 # PING body: token u64 (opaque to the receiver, echoed in the PONG), then the sender's
 # smoothed RTT of this link, its base RTT (what records carry) and its jitter, in µs (0:
 # not measured). The side that dialed a link pings it; the other side answers and takes
@@ -231,6 +236,7 @@ class MeshService:
         self.ping_interval = limits.mesh_ping_interval
         self.dead_after = limits.mesh_dead_after
         self.latency_hold = LATENCY_HOLD_PINGS * self.ping_interval
+        self.latency_share = LATENCY_MESH_SHARE
         self.link_buffer = limits.mesh_link_buffer
         self.policy_flag = FLAG_LATENCY if config.mesh.policy == "least-latency" else 0
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start()
@@ -641,7 +647,8 @@ class MeshService:
 
     def _latency_changed(self, nid: int) -> None:
         """A new RTT sample on a link to `nid`: re-originate if the latency the record
-        would carry moved enough; latency-only changes at most once per `latency_hold`."""
+        would carry moved enough; latency-only changes at most once per `latency_hold`, and
+        per `latency_share` seconds for each node in the table."""
         best = self._best_link(nid)
         recorded = dict(self.table.local.neighbours).get(nid)
         if best is None or recorded is None:
@@ -651,7 +658,8 @@ class MeshService:
             return
         if not latency_moved(best.base_us, recorded, best.jitter_us):
             return
-        due = self._last_originated + self.latency_hold * self._latency_backoff
+        hold = max(self.latency_hold * self._latency_backoff, self.latency_share * len(self.table.records))
+        due = self._last_originated + hold
         if self.loop.time() >= due:
             self._latency_version()
         elif self._latency_timer is None:

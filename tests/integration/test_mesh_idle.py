@@ -105,6 +105,7 @@ async def _quiet_pair() -> tuple[MeshService, MeshService, LinkBase]:
     a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"], limits=quiet))
     b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r}"], limits=quiet))
     a.latency_hold = 0.3
+    a.latency_share = 0.0  # the hold alone (the mesh-size share has its own test)
     await async_wait_until(lambda: converged([a, b]), 10, "routes")
     measured = lambda: dict(a.table.local.neighbours).get(b.node_id, 0) > 0  # noqa: E731
     await async_wait_until(measured, 5, "first measurement")
@@ -204,5 +205,26 @@ async def test_a_latency_that_keeps_swinging_makes_ever_fewer_versions() -> None
         assert plateaus >= 20 and 2 <= made <= 4, (plateaus, made)
         # and once it stops swinging the record ends on what the link measures
         await _settle_at(a, b, link, 2000)
+    finally:
+        await stop_all([a, b])
+
+
+async def test_latency_versions_are_held_longer_the_larger_the_mesh() -> None:
+    """Every node checks each version and every link carries it: latency-only versions are
+    held `latency_share` seconds per node in the table (the mesh as a whole makes about one a
+    second, whatever its size), on top of the hold."""
+    a, b, link = await _quiet_pair()
+    try:
+        await _settle_at(a, b, link, 1000)
+        if a._latency_timer is not None:  # one the settling left: set for the short hold
+            a._latency_timer.cancel()
+            a._latency_timer = None
+        a.latency_share = 1.5  # two nodes in the table: held 3 s, not 0.3
+        version = a.table.local.version
+        for _ in range(60):  # a real change, 1 to 4 ms
+            _pong(a, link, 4000)
+        assert a.table.local.version == version
+        assert a._latency_timer is not None
+        assert a._latency_timer.when() >= a._last_originated + 3.0 - 1e-3
     finally:
         await stop_all([a, b])

@@ -182,6 +182,7 @@ async def test_latency_reorigination_follows_the_smoothed_rtt_and_is_rate_bounde
     a = await start_node(node_config("a", "10.9.0.1/24", listen=[f"ring://{r}"], limits=quiet))
     b = await start_node(node_config("b", "10.9.0.2/24", peers=[f"ring://{r}"], limits=quiet))
     a.latency_hold = 0.3
+    a.latency_share = 0.0  # the hold alone (the mesh-size share has its own test)
     loop = asyncio.get_running_loop()
     try:
         await async_wait_until(lambda: converged([a, b]), 10, "routes")
