@@ -156,6 +156,19 @@ async def write_all(proto: Collector, data: bytes, chunk: int = 256 * 1024) -> N
         proto.transport.write(view[i : i + chunk])
 
 
+async def echo_server() -> tuple[asyncio.Server, int]:
+    """A TCP server on loopback that sends back what it reads; (server, port)."""
+
+    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while data := await r.read(1 << 16):
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    srv = await asyncio.start_server(echo, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
 async def sha_server() -> tuple[asyncio.Server, int]:
     """A loopback TCP server that answers each connection's sha256 once it ends; its port."""
 

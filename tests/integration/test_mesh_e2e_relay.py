@@ -5,7 +5,6 @@ with one that records, alters, replays or forges what it relays."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -24,7 +23,7 @@ from meshgate.mesh.frames import (
 from meshgate.mesh.service import CHANNEL, MeshService
 from meshgate.mesh.streams import encode_open
 from tests.helpers import async_wait_until
-from tests.mesh_testing import Collector, ring_line, stop_all
+from tests.mesh_testing import Collector, echo_server, ring_line, stop_all
 
 Frame = tuple[int, int, int, int, int, bytes]  # type, flags, hop, src, dst, body
 
@@ -57,24 +56,13 @@ def _relay_hook(b: MeshService, change: Callable[[Frame], list[Frame]]) -> list[
     return seen
 
 
-async def _echo_server() -> tuple[asyncio.Server, int]:
-    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        while data := await r.read(1 << 16):
-            w.write(data)
-            await w.drain()
-        w.close()
-
-    srv = await asyncio.start_server(echo, "127.0.0.1", 0)
-    return srv, srv.sockets[0].getsockname()[1]
-
-
 async def test_a_relay_sees_only_sealed_frames(line: list[MeshService]) -> None:
     a, b, c = line
     seen = _relay_hook(b, lambda f: [f])
     marker = b"TOP-SECRET-" + os.urandom(8).hex().encode()
     got: list[tuple[int, bytes]] = []
     c.on_datagram(7, lambda src, p: got.append((src, p)))
-    srv, port = await _echo_server()
+    srv, port = await echo_server()
     async with srv:
         transport, proto = await a.open_stream(c.node_id, "127.0.0.1", port, Collector)
         assert isinstance(proto, Collector)

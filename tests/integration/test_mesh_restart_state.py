@@ -9,29 +9,17 @@ only later through the record."""
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 from collections.abc import Callable
 
 from meshgate.mesh.routing import Record
 from meshgate.mesh.service import MeshService
 from tests.helpers import async_wait_until
-from tests.mesh_testing import Collector, node_config, ring_name, start_node, stop_all
+from tests.mesh_testing import Collector, echo_server, node_config, ring_name, start_node, stop_all
 
 
 def ip(s: str) -> ipaddress.IPv4Address:
     return ipaddress.IPv4Address(s)
-
-
-async def _echo_server() -> tuple[asyncio.Server, int]:
-    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        while data := await r.read(1 << 16):
-            w.write(data)
-            await w.drain()
-        w.close()
-
-    srv = await asyncio.start_server(echo, "127.0.0.1", 0)
-    return srv, srv.sockets[0].getsockname()[1]
 
 
 def _hold_records(b: MeshService, to: int, held: Callable[[Record], bool]) -> Callable[[], None]:
@@ -71,7 +59,7 @@ async def _line(a_ip: str = "10.9.0.1/24") -> tuple[MeshService, MeshService, Me
 async def test_state_made_with_the_new_process_before_its_record_arrives_is_kept() -> None:
     a, b, c, r1 = await _line()
     nodes = [a, b, c]
-    srv, port = await _echo_server()
+    srv, port = await echo_server()
     try:
         await async_wait_until(lambda: all(n.lookup(ip("10.9.0.3")) for n in (a, b)), 10, "routes")
         await async_wait_until(lambda: c.lookup(ip("10.9.0.1")) is not None, 10, "routes")
@@ -145,7 +133,7 @@ async def test_a_neighbour_restarting_keeps_what_it_opened_after_its_hello() -> 
     b = await start_node(node_config("b", "10.9.0.2/24", listen=[f"ring://{r}"]))
     a = await start_node(node_config("a", "10.9.0.1/24", peers=[f"ring://{r}"]))
     nodes = [a, b]
-    srv, port = await _echo_server()
+    srv, port = await echo_server()
     try:
         await async_wait_until(lambda: b.lookup(ip("10.9.0.1")) is not None, 10, "routes")
         t1, p1 = await a.open_stream(b.node_id, "127.0.0.1", port, Collector)
