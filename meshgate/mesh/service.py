@@ -116,6 +116,10 @@ _forwarded = REGISTRY.counter(
 _e2e_dropped = REGISTRY.counter(
     "meshgate_mesh_e2e_dropped_total", "End-to-end frames and session set-ups dropped", ("reason",)
 )
+_peer_restarts = REGISTRY.counter(
+    "meshgate_mesh_peer_restarts_total",
+    "Other nodes heard to run a new process (what was held with the old one ended)", ("heard_by",),
+)
 
 OPEN_TIMEOUT = 10.0
 DRAIN_GIVE_UP = 1.0  # a stream moving paths waits this long for its peer to return its credit
@@ -995,6 +999,7 @@ class MeshService:
         known = self._processes.get(node)
         if known is not None and known[0] == session:
             return
+        floor_given = floor
         if floor is None:  # a link is up with it now: its newest process, whatever we held
             floor = max(known[1] if known is not None else -1, self._record_version(node))
         elif known is not None and floor <= known[1]:
@@ -1007,6 +1012,7 @@ class MeshService:
         if known is None or node == self.node_id or self.mux is None:
             return
         self.stats["peer_restarts"] += 1
+        _peer_restarts.labels("hello" if floor_given is None else "e2e" if current_e2e else "record").inc()
         self.mux.drop_peer(node)
         if not current_e2e:
             self.e2e.drop(node)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from meshgate.mesh.routing import Record
 from meshgate.mesh.service import MeshService
+from meshgate.metrics import REGISTRY
 from tests.helpers import async_wait_until
 from tests.mesh_testing import Collector, echo_server, node_config, ring_name, start_node, stop_all
 
@@ -95,6 +96,7 @@ async def test_state_made_with_the_new_process_before_its_record_arrives_is_kept
         assert c.send_datagram(a2.node_id, 7, b"to a2")
         await async_wait_until(lambda: sorted(got) == [b"to a2", b"to c"], 10, "datagrams both ways")
         assert c.stats["e2e_dropped_unknown_session"] == 0 and a2.stats["e2e_dropped_unknown_session"] == 0
+        assert c.stats["peer_restarts"] == 1  # once, at the handshake; not again at the record
         t2.close()
     finally:
         srv.close()
@@ -120,6 +122,7 @@ async def test_a_session_with_the_old_process_ends_when_the_new_one_is_known() -
         a2.on_datagram(7, lambda src, p: got2.append(p))
         await async_wait_until(lambda: c.lookup(ip("10.9.0.11")) is not None, 10, "c has a2's record")
         assert c.e2e.sessions.get(a.node_id) is not old  # the old process's session is gone
+        assert REGISTRY.value("meshgate_mesh_peer_restarts_total", "record") >= 1
         assert c.send_datagram(a2.node_id, 7, b"to the second")
         await async_wait_until(lambda: got2 == [b"to the second"], 10, "the datagram to a2")
     finally:
