@@ -22,7 +22,7 @@ from meshgate.mesh.link_udp import UdpLink
 from meshgate.mesh.service import MeshService
 from meshgate.mesh.udp_session import INIT_MIN, KIND_DATA, KIND_INIT
 from meshgate.metrics import REGISTRY
-from tests.helpers import async_wait_until
+from tests.helpers import async_wait_until, require
 from tests.mesh_testing import (
     converged,
     mesh_node,
@@ -412,8 +412,7 @@ async def test_gso_refused_by_the_device_falls_back_to_one_send_per_packet() -> 
     loop = asyncio.get_running_loop()
     usock = link_udp.UdpSocket(loop, tx, lambda *_: None, LimitsConfig(), connected=True)
     try:
-        if not usock.gso:
-            pytest.skip("no UDP_SEGMENT on this kernel")
+        require(usock.gso, "UDP_SEGMENT (GSO) in this kernel")
         packets = [bytes([i]) * 1400 for i in range(10)] + [b"\xaa" * 300]
         usock.send(None, packets)
         usock.send(None, packets[:3])

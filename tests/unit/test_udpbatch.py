@@ -13,8 +13,12 @@ import pytest
 
 from meshgate import udpbatch
 from meshgate.udpbatch import DatagramBatch
+from tests.helpers import require
 
-pytestmark = pytest.mark.skipif(not udpbatch.available(), reason="no recvmmsg/sendmmsg here")
+
+@pytest.fixture(autouse=True)
+def _calls() -> None:
+    require(udpbatch.available(), "recvmmsg/sendmmsg in the C library (Linux, 64-bit)")
 
 FAMILIES = [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
 
@@ -31,7 +35,7 @@ def family(request: pytest.FixtureRequest) -> tuple[int, str]:
     try:
         _udp(fam, host).close()
     except OSError:
-        pytest.skip(f"no {host} here")
+        require(False, f"a {host} loopback address")
     return fam, host
 
 
