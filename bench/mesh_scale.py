@@ -11,6 +11,7 @@ neighbours. Per round the coordinator reports:
   processes of one machine); `cpu_s/node` the CPU every host spent meanwhile,
   per node; `records_rx/node` the route records received per node (every copy,
   held or new), `records_rx/s/node` the same per second of convergence,
+  `resent/node` records sent again to a neighbour that had not acknowledged them,
   `verified/node` those whose signature was checked, `builds/node` route graph
   builds, and `links_dead_converging` links closed as silent meanwhile (a starved
   loop misses pings; each loss is a version every node checks). A round that has
@@ -169,7 +170,7 @@ class Host:
             "links": float(len(links)),
             "versions": float(sum(svc.table.local.version for svc in self.nodes)),
         }
-        for key in ("records_rx", "records_verified", "builds"):
+        for key in ("records_rx", "records_verified", "builds", "resent"):
             out[key] = float(sum(getattr(svc.table, key, 0) for svc in self.nodes))
         for key in ("latency_versions", "link_dead", "handshake_ok"):
             out[key] = float(sum(svc.stats[key] for svc in self.nodes))
@@ -286,7 +287,7 @@ class Hosts:
 
 def totals(rows: list[dict[str, Any]]) -> dict[str, float]:
     keys = ("cpu_s", "bytes_out", "links", "versions", "records_rx", "records_verified", "builds",
-            "latency_versions", "link_dead", "handshake_ok")
+            "resent", "latency_versions", "link_dead", "handshake_ok")
     return {k: float(sum(r.get(k, 0.0) for r in rows)) for k in keys}
 
 
@@ -314,6 +315,7 @@ def one_round(
             return {"converge_s": float("nan"), "least_routes": float(least),
                     "cpu_s/node": (conv["cpu_s"] - before["cpu_s"]) / n,
                     "records_rx/node": (conv["records_rx"] - before["records_rx"]) / n,
+                    "resent/node": (conv["resent"] - before["resent"]) / n,
                     "verified/node": (conv["records_verified"] - before["records_verified"]) / n,
                     "builds/node": (conv["builds"] - before["builds"]) / n,
                     "versions/node": (conv["versions"] - before["versions"]) / n,
@@ -324,6 +326,7 @@ def one_round(
             "cpu_s/node": (conv["cpu_s"] - before["cpu_s"]) / n,
             "records_rx/node": (conv["records_rx"] - before["records_rx"]) / n,
             "records_rx/s/node": (conv["records_rx"] - before["records_rx"]) / n / span,
+            "resent/node": (conv["resent"] - before["resent"]) / n,
             "verified/node": (conv["records_verified"] - before["records_verified"]) / n,
             "builds/node": (conv["builds"] - before["builds"]) / n,
             "versions/node": (conv["versions"] - before["versions"]) / n,

@@ -44,6 +44,10 @@ _builds = REGISTRY.counter("meshgate_mesh_route_builds_total", "Route graph buil
 
 MAX_CANDIDATES = 4  # received versions of one origin held for checking at once
 UNKNOWN_LATENCY_US = 500_000  # an edge whose latency was never measured costs 500 ms
+# A neighbour's resend interval doubles with every resend, up to this: links are reliable, so an
+# acknowledgement that is late sits behind a busy peer (a mesh forming), and sending again only
+# adds copies it must read. What a closed link may have lost is sent again at once (link_lost).
+RESEND_MAX = 48.0
 
 _HEAD = struct.Struct("!IIQBB")  # origin, session, version, flags, name length
 _NEIGH = struct.Struct("!II")  # neighbour id, latency µs
@@ -310,6 +314,7 @@ class _NeighbourSync:
     acked: dict[int, int] = field(default_factory=dict)  # origin -> version
     sent: dict[int, tuple[int, float]] = field(default_factory=dict)  # origin -> (version, when), unacked
     pending: set[int] = field(default_factory=set)  # origins changed since we last sent them
+    resend: float = 0.0  # this neighbour's resend interval (resend_after, backed off); 0: not yet set
 
 
 class RouteTable:
@@ -347,6 +352,7 @@ class RouteTable:
         self.records_decoded = 0
         self.records_verified = 0
         self.builds = 0
+        self.resent = 0  # records sent again to a neighbour that had not acknowledged them
         self._unchecked: dict[int, list[tuple[Record, int]]] = {}  # origin -> [(record, from)], newest first
         self._sync: dict[int, _NeighbourSync] = {}
         self._unreachable_since: dict[int, float] = {}
@@ -389,6 +395,15 @@ class RouteTable:
 
     def neighbour_down(self, nid: int) -> None:
         self._sync.pop(nid, None)
+
+    def link_lost(self, nid: int) -> None:
+        """One of several links to `nid` closed: what it held unsent went with it, and which link
+        carried which record is not known, so every send `nid` has not acknowledged goes again
+        (over the links that remain) at the next sync."""
+        sync = self._sync.get(nid)
+        if sync is not None:
+            sync.pending.update(sync.sent)
+            sync.sent.clear()
 
     # ------------------------------------------------------------ sync
 
@@ -525,22 +540,29 @@ class RouteTable:
                 )
         return stored
 
-    def receive_acks(self, from_nid: int, acks: Iterable[tuple[int, int]]) -> None:
+    def receive_acks(self, from_nid: int, acks: Iterable[tuple[int, int]], now: float | None = None) -> None:
+        """`now` given: an acknowledgement back within a quarter of the neighbour's resend
+        interval halves that interval again (not below resend_after)."""
         sync = self._sync.get(from_nid)
         if sync is None:
             return
+        prompt = False
         for origin, version in acks:
             if sync.acked.get(origin, -1) < version:
                 sync.acked[origin] = version
             sent = sync.sent.get(origin)
             if sent is not None and sent[0] <= version:
                 del sync.sent[origin]
+                prompt = prompt or (now is not None and now - sent[1] < sync.resend / 4)
+        if prompt:
+            sync.resend = max(self.resend_after, sync.resend / 2)
 
     def records_to_send(self, nid: int, now: float) -> list[Record]:
         """Records `nid` has not acknowledged (and not been sent recently)."""
         sync = self._sync.get(nid)
         if sync is None:
             return []
+        wait = sync.resend = sync.resend or self.resend_after
         # only what changed since the last call, plus unacknowledged sends past their time
         # (no scan of the whole table per neighbour per tick). `sent` is in the order of the
         # sends (each send moves its origin to the end), so the scan stops at the first one
@@ -548,9 +570,10 @@ class RouteTable:
         candidates = sync.pending
         sync.pending = set()
         for origin, (_, when) in sync.sent.items():
-            if now - when < self.resend_after:
+            if now - when < wait:
                 break
             candidates.add(origin)
+        resent = 0
         out = []
         records = self.records
         me = self.node_id
@@ -564,11 +587,16 @@ class RouteTable:
                 # (FIRST_RTT_WAIT later) again. The version that lists one is sent (pending)
                 continue
             sent = sync.sent.get(origin)
-            if sent is not None and sent[0] >= rec.version and now - sent[1] < self.resend_after:
-                continue
+            if sent is not None and sent[0] >= rec.version:
+                if now - sent[1] < wait:
+                    continue
+                resent += 1
             sync.sent.pop(origin, None)
             sync.sent[origin] = (rec.version, now)
             out.append(rec)
+        if resent:
+            self.resent += resent
+            sync.resend = min(RESEND_MAX, 2 * wait)  # late acknowledgements: wait longer next time
         return out
 
     def forget(self, origins: Iterable[int]) -> None:

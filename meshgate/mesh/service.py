@@ -609,6 +609,8 @@ class MeshService:
             if not links:
                 del self.links[peer.node_id]
                 self.table.neighbour_down(peer.node_id)
+            else:
+                self.table.link_lost(peer.node_id)
             self._update_neighbours()
             self._schedule_sync()
 
@@ -854,6 +856,8 @@ class MeshService:
         if not self.links.get(nid):
             self.links.pop(nid, None)
             self.table.neighbour_down(nid)
+        else:
+            self.table.link_lost(nid)
         link.mark_dead()
         self._update_neighbours()
 
@@ -1065,7 +1069,7 @@ class MeshService:
                     _frames_dropped.labels("bad_ack").inc()
                     return
                 assert link.peer is not None
-                self.table.receive_acks(link.peer.node_id, acks)
+                self.table.receive_acks(link.peer.node_id, acks, self.loop.time())
             else:
                 _frames_dropped.labels("unexpected_hello").inc()
             return

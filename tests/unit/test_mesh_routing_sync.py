@@ -5,7 +5,7 @@ for what is not due."""
 
 from __future__ import annotations
 
-from meshgate.mesh.routing import Record, RouteTable
+from meshgate.mesh.routing import RESEND_MAX, Record, RouteTable
 
 
 def rec(origin: int, version: int = 1, **kw: object) -> Record:
@@ -34,10 +34,57 @@ def test_unacknowledged_sends_are_resent_when_due_whatever_was_sent_between() ->
     assert {r.origin for r in t.records_to_send(1, 0.0)} == {0, 2, 3}
     t.receive_records(5, [rec(2, 2)], 1.0)  # a newer version of 2, sent at 1.0
     assert [(r.origin, r.version) for r in t.records_to_send(1, 1.0)] == [(2, 2)]
-    assert {r.origin for r in t.records_to_send(1, 3.5)} == {0, 3}  # 2 is due at 4.0
-    assert [r.origin for r in t.records_to_send(1, 4.0)] == [2]
+    assert {r.origin for r in t.records_to_send(1, 3.5)} == {0, 3}  # 2 was due at 4.0 ...
+    # ... but the resend at 3.5 backed the interval off to 6 s: 2 is due at 7.0
+    assert t.records_to_send(1, 4.0) == []
+    assert [r.origin for r in t.records_to_send(1, 7.0)] == [2]
     t.receive_acks(1, [(0, 1), (2, 2), (3, 1)])
-    assert t.records_to_send(1, 10.0) == []
+    assert t.records_to_send(1, 30.0) == []
+
+
+def test_a_neighbour_slow_to_acknowledge_is_sent_again_ever_later_and_prompt_acks_undo_it() -> None:
+    """Links are reliable: a late acknowledgement sits behind a busy peer (a mesh forming, 125
+    nodes on one loop), and every resend is one more copy it must read. So each resend doubles
+    that neighbour's interval (up to RESEND_MAX), and acknowledgements back within a quarter of
+    it halve it again; another neighbour's interval is its own."""
+    t = RouteTable(rec(0, neighbours=((1, 100),)), resend_after=3.0)
+    t.neighbour_up(1)
+    t.neighbour_up(2)
+    assert [r.origin for r in t.records_to_send(1, 0.0)] == [0]
+    sends = [now for now in (x * 0.5 for x in range(0, 400)) if t.records_to_send(1, now)]
+    assert sends[:5] == [3.0, 9.0, 21.0, 45.0, 93.0]  # 3, 6, 12, 24, 48 s after the one before
+    assert sends[5] - sends[4] == RESEND_MAX == 48.0
+    assert t.resent == len(sends)
+    # the other neighbour starts at resend_after
+    assert [r.origin for r in t.records_to_send(2, 190.0)] == [0]
+    assert [r.origin for r in t.records_to_send(2, 193.0)] == [0]
+    # prompt acknowledgements bring neighbour 1 back, halving per prompt round
+    last = sends[-1]
+    t.receive_acks(1, [(0, 1)], last + 1.0)  # within 48 / 4
+    t.update_local(neighbours=((1, 100), (2, 200)))
+    assert [r.version for r in t.records_to_send(1, 300.0)] == [2]  # a new version: sent at once
+    assert t.records_to_send(1, 300.0 + 23.5) == []
+    assert [r.version for r in t.records_to_send(1, 324.0)] == [2]  # 24 s, not 48
+    t.receive_acks(1, [(0, 2)], 400.0)  # 76 s later: not prompt, the interval stays
+    t.update_local(neighbours=((1, 150), (2, 200)))
+    t.records_to_send(1, 400.0)
+    assert t.records_to_send(1, 400.0 + 47.5) == []  # 24 s doubled by the resend at 324
+
+
+def test_what_a_closed_link_held_goes_again_at_once_over_the_link_left() -> None:
+    """Two links to one neighbour, one closes: records it carried and the neighbour has not
+    acknowledged may have gone with it (which link carried which is not known), so all of them
+    are sent again at the next sync, not after a resend interval. Acknowledged ones are not."""
+    t = RouteTable(rec(0, neighbours=((1, 100),)), resend_after=3.0)
+    t.neighbour_up(1)
+    t.receive_records(5, [rec(2), rec(3)], 0.0)
+    assert {r.origin for r in t.records_to_send(1, 0.0)} == {0, 2, 3}
+    t.receive_acks(1, [(2, 1)], 0.1)
+    assert t.records_to_send(1, 0.5) == []
+    t.link_lost(1)
+    assert {r.origin for r in t.records_to_send(1, 0.5)} == {0, 3}
+    assert t.resent == 0  # not a resend of late acknowledgements: no backoff
+    assert t.records_to_send(1, 3.4) == [] and {r.origin for r in t.records_to_send(1, 3.5)} == {0, 3}
 
 
 def test_settle_checks_a_slice_at_a_time_and_a_forged_newer_version_hides_nothing() -> None:
