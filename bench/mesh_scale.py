@@ -176,6 +176,25 @@ class Host:
             out[key] = float(sum(svc.stats[key] for svc in self.nodes))
         return out
 
+    def lagging(self, target: int) -> list[str]:
+        """What the nodes short of `target` routes hold (at most 5): to say why a round did not
+        converge."""
+        out = []
+        for svc in self.nodes:  # (after a join, one more than self.indices)
+            t = svc.table
+            if len(t.hop_paths) >= target or len(out) >= 5:
+                continue
+            sync = {f"{nid:08x}": (len(s.pending), len(s.sent), len(s.acked))
+                    for nid, s in getattr(t, "_sync", {}).items()}
+            out.append(
+                f"node {t.local.name} ({svc.node_id:08x}): {len(t.hop_paths)} routes, {len(t.records)} records,"
+                f" {t.unchecked} unchecked, dirty {t.dirty}, own v{t.local.version} listing"
+                f" {len(t.local.neighbours)}, links {sorted(f'{n:08x}' for n in svc.links)},"
+                f" sync (pending, sent, acked) {sync}, keepers {len(getattr(svc, '_keepers', {}))},"
+                f" handshakes ok {svc.stats['handshake_ok']}"
+            )
+        return out
+
     async def watch(self, target: int, deadline: float) -> None:
         """Report once when every node of this host has routes to `target` nodes, or at
         `deadline` (CLOCK_MONOTONIC) with converged_at null and the fewest routes a node has."""
@@ -183,7 +202,7 @@ class Host:
             least = min(len(svc.table.hop_paths) for svc in self.nodes)
             if least >= target or time.monotonic() >= deadline:
                 at = time.monotonic() if least >= target else None
-                self.say(converged_at=at, least_routes=least, **self.counters())
+                self.say(converged_at=at, least_routes=least, lagging=self.lagging(target), **self.counters())
                 return
             await asyncio.sleep(0.02)
 
@@ -310,6 +329,9 @@ def one_round(
         conv = totals(done)
         if any(d["converged_at"] is None for d in done):  # bounded: what it reached by then
             least = min(d["least_routes"] for d in done)
+            for d in done:
+                for line in d.get("lagging", []):
+                    print(f"  short of {n} routes: {line}", file=sys.stderr)
             print(f"not converged in {timeout:.0f} s: the fewest routes a node had was {least} of {n}",
                   file=sys.stderr)
             return {"converge_s": float("nan"), "least_routes": float(least),
