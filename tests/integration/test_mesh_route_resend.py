@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshgate.mesh.service import MeshService
 from meshgate.mesh.routing import split_records
 from tests.helpers import async_wait_until
 from tests.mesh_testing import node_config, ring_name, start_node, stop_all
