@@ -187,7 +187,8 @@ class Host:
             sync = {f"{nid:08x}": (len(s.pending), len(s.sent), len(s.acked))
                     for nid, s in getattr(t, "_sync", {}).items()}
             out.append(
-                f"node {t.local.name} ({svc.node_id:08x}): {len(t.hop_paths)} routes, {len(t.records)} records,"
+                f"node {t.local.name} ({svc.node_id:08x}): {len(t.hop_paths)} routes,"
+                f" {len(t.records)} records,"
                 f" {t.unchecked} unchecked, dirty {t.dirty}, own v{t.local.version} listing"
                 f" {len(t.local.neighbours)}, links {sorted(f'{n:08x}' for n in svc.links)},"
                 f" sync (pending, sent, acked) {sync}, keepers {len(getattr(svc, '_keepers', {}))},"

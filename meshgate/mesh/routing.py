@@ -44,9 +44,10 @@ _builds = REGISTRY.counter("meshgate_mesh_route_builds_total", "Route graph buil
 
 MAX_CANDIDATES = 4  # received versions of one origin held for checking at once
 UNKNOWN_LATENCY_US = 500_000  # an edge whose latency was never measured costs 500 ms
-# A neighbour's resend interval doubles with every resend, up to this: links are reliable, so an
-# acknowledgement that is late sits behind a busy peer (a mesh forming), and sending again only
-# adds copies it must read. What a closed link may have lost is sent again at once (link_lost).
+# A neighbour's resend interval doubles with every resend, up to this, until it has acknowledged
+# everything sent: links are reliable, so an acknowledgement that is late sits behind a busy peer
+# (a mesh forming), and sending again only adds copies it must read. What a closed link may have
+# lost is sent again at once (link_lost).
 RESEND_MAX = 48.0
 
 _HEAD = struct.Struct("!IIQBB")  # origin, session, version, flags, name length
@@ -540,22 +541,18 @@ class RouteTable:
                 )
         return stored
 
-    def receive_acks(self, from_nid: int, acks: Iterable[tuple[int, int]], now: float | None = None) -> None:
-        """`now` given: an acknowledgement back within a quarter of the neighbour's resend
-        interval halves that interval again (not below resend_after)."""
+    def receive_acks(self, from_nid: int, acks: Iterable[tuple[int, int]]) -> None:
         sync = self._sync.get(from_nid)
         if sync is None:
             return
-        prompt = False
         for origin, version in acks:
             if sync.acked.get(origin, -1) < version:
                 sync.acked[origin] = version
             sent = sync.sent.get(origin)
             if sent is not None and sent[0] <= version:
                 del sync.sent[origin]
-                prompt = prompt or (now is not None and now - sent[1] < sync.resend / 4)
-        if prompt:
-            sync.resend = max(self.resend_after, sync.resend / 2)
+        if not sync.sent:
+            sync.resend = self.resend_after  # it caught up: its backlog, not its link, was slow
 
     def records_to_send(self, nid: int, now: float) -> list[Record]:
         """Records `nid` has not acknowledged (and not been sent recently)."""
