@@ -192,7 +192,9 @@ class Host:
                 f" {t.unchecked} unchecked, dirty {t.dirty}, own v{t.local.version} listing"
                 f" {len(t.local.neighbours)}, links {sorted(f'{n:08x}' for n in svc.links)},"
                 f" sync (pending, sent, acked) {sync}, keepers {len(getattr(svc, '_keepers', {}))},"
-                f" handshakes ok {svc.stats['handshake_ok']}"
+                f" handshakes ok {svc.stats['handshake_ok']}, failed"
+                f" {dict((k[17:], v) for k, v in svc.stats.items() if k.startswith('handshake_failed_'))},"
+                f" links dead {svc.stats['link_dead']}"
             )
         return out
 
