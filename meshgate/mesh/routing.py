@@ -44,10 +44,11 @@ _builds = REGISTRY.counter("meshgate_mesh_route_builds_total", "Route graph buil
 
 MAX_CANDIDATES = 4  # received versions of one origin held for checking at once
 UNKNOWN_LATENCY_US = 500_000  # an edge whose latency was never measured costs 500 ms
-# A neighbour's resend interval doubles with every resend, up to this, until it has acknowledged
-# everything sent: links are reliable, so an acknowledgement that is late sits behind a busy peer
-# (a mesh forming), and sending again only adds copies it must read. What a closed link may have
-# lost is sent again at once (link_lost).
+# Links are reliable and in order, so an acknowledgement that is late sits behind a busy peer (a
+# mesh forming), and sending again only adds copies it must read. So nothing is sent again while
+# acknowledgements of earlier sends keep coming back within the resend interval; past it, the
+# interval doubles with every resend, up to this, until the neighbour has acknowledged everything
+# sent. What a closed link may have lost is sent again at once (link_lost).
 RESEND_MAX = 48.0
 
 _HEAD = struct.Struct("!IIQBB")  # origin, session, version, flags, name length
@@ -316,6 +317,7 @@ class _NeighbourSync:
     sent: dict[int, tuple[int, float]] = field(default_factory=dict)  # origin -> (version, when), unacked
     pending: set[int] = field(default_factory=set)  # origins changed since we last sent them
     resend: float = 0.0  # this neighbour's resend interval (resend_after, backed off); 0: not yet set
+    heard: float = float("-inf")  # when an acknowledgement last cleared a send
 
 
 class RouteTable:
@@ -541,16 +543,20 @@ class RouteTable:
                 )
         return stored
 
-    def receive_acks(self, from_nid: int, acks: Iterable[tuple[int, int]]) -> None:
+    def receive_acks(self, from_nid: int, acks: Iterable[tuple[int, int]], now: float) -> None:
         sync = self._sync.get(from_nid)
         if sync is None:
             return
+        progress = False
         for origin, version in acks:
             if sync.acked.get(origin, -1) < version:
                 sync.acked[origin] = version
             sent = sync.sent.get(origin)
             if sent is not None and sent[0] <= version:
                 del sync.sent[origin]
+                progress = True
+        if progress:
+            sync.heard = now
         if not sync.sent:
             sync.resend = self.resend_after  # it caught up: its backlog, not its link, was slow
 
@@ -566,10 +572,13 @@ class RouteTable:
         # not yet due: a flood with many sends unacknowledged costs nothing per call
         candidates = sync.pending
         sync.pending = set()
-        for origin, (_, when) in sync.sent.items():
-            if now - when < wait:
-                break
-            candidates.add(origin)
+        # a link is reliable and in order: while acknowledgements of what was sent keep coming
+        # back, what is not acknowledged yet is queued behind them, not lost
+        if now - sync.heard >= wait:
+            for origin, (_, when) in sync.sent.items():
+                if now - when < wait:
+                    break
+                candidates.add(origin)
         resent = 0
         out = []
         records = self.records

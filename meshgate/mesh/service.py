@@ -1069,7 +1069,7 @@ class MeshService:
                     _frames_dropped.labels("bad_ack").inc()
                     return
                 assert link.peer is not None
-                self.table.receive_acks(link.peer.node_id, acks)
+                self.table.receive_acks(link.peer.node_id, acks, self.loop.time())
             else:
                 _frames_dropped.labels("unexpected_hello").inc()
             return

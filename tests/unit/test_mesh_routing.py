@@ -123,7 +123,7 @@ class Sim:
                     if recs:
                         moved += len(recs)
                         acks = self.tables[other].receive_records(i, recs, now)
-                        t.receive_acks(other, acks)
+                        t.receive_acks(other, acks, now)
             rounds += 1
             if not moved:
                 break
