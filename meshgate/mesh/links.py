@@ -36,6 +36,8 @@ _rlog = RateLimitedLog(log)
 RTT_GAIN = 1 / 8  # the smoothed RTT's EWMA gain once warmed up (TCP's SRTT, RFC 6298)
 RTTVAR_GAIN = 1 / 4  # the mean deviation's gain (TCP's RTTVAR, RFC 6298)
 BASE_RTT_SAMPLES = 10  # the base RTT is the least of this many last samples
+HANDSHAKE_EXTENSIONS = 3  # a progressing handshake gets its timeout again at most this often
+LATE_LOOP = 0.25  # s: a timer this late ran in a loop that has not read its sockets yet
 
 _sessions = REGISTRY.counter(
     "meshgate_mesh_link_sessions_total",
@@ -79,6 +81,8 @@ class LinkBase:
         self.handshake_hash = b""
         self.closed: asyncio.Future[bool] = self.loop.create_future()  # result: was it established
         self._timer: asyncio.TimerHandle | None = None
+        self._extensions = 0  # times the handshake timeout was given again (HANDSHAKE_EXTENSIONS)
+        self._timer_due = 0.0  # loop time the handshake timer is set for
         self.last_rx = self.loop.time()
         self.latency_us = 0  # smoothed ping RTT in µs; 0 = not measured yet
         # the least RTT of the last BASE_RTT_SAMPLES: what route records carry. Queueing and a
@@ -115,7 +119,8 @@ class LinkBase:
     # ------------------------------------------------------------ for the carrier
 
     def _start_handshake_timer(self) -> None:
-        self._timer = self.loop.call_later(self.owner.handshake_timeout, self._handshake_timeout)
+        self._timer_due = self.loop.time() + self.owner.handshake_timeout
+        self._timer = self.loop.call_at(self._timer_due, self._handshake_timeout)
 
     def _on_frame(self, ftype: int, flags: int, hop: int, src: int, dst: int, body: memoryview) -> None:
         if self.peer is None:
@@ -155,8 +160,25 @@ class LinkBase:
 
     def _handshake_timeout(self) -> None:
         self._timer = None
-        if self.peer is None:
-            self.fail("timeout", "handshake timed out")
+        if self.peer is not None:
+            return
+        # A handshake that is progressing (the peer's last message came within the timeout) is
+        # given the timeout again from that message, at most HANDSHAKE_EXTENSIONS times: behind a
+        # busy peer (a loaded host, many nodes in one process) each step of it may come late,
+        # and a link that fails to come up is a node cut off until its next dial. A peer that
+        # says nothing still fails at the timeout, and one that trickles bytes at 4x it.
+        # A timer that ran late ran before its loop read what came meanwhile (uvloop runs due
+        # timers before it polls): looked at again once it has.
+        now = self.loop.time()
+        quiet = now - self.last_rx
+        timeout = self.owner.handshake_timeout
+        late = now - self._timer_due > LATE_LOOP
+        if (quiet < timeout or late) and self._extensions < HANDSHAKE_EXTENSIONS:
+            self._extensions += 1
+            self._timer_due = now + (timeout - quiet if quiet < timeout else 0.05)
+            self._timer = self.loop.call_at(self._timer_due, self._handshake_timeout)
+            return
+        self.fail("timeout", "handshake timed out")
 
     # ------------------------------------------------------------ for the owner
 
