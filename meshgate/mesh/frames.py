@@ -559,7 +559,9 @@ class LinkCodec:
                     break
                 view = whole if whole is not None else memoryview(buf)
                 try:
-                    plain = recv.open(view[pos : pos + RECORD_SIZE], epoch, counter, view[pos + RECORD_SIZE : pos + total])
+                    plain = recv.open(
+                        view[pos : pos + RECORD_SIZE], epoch, counter, view[pos + RECORD_SIZE : pos + total]
+                    )
                 finally:
                     if held:
                         view.release()
