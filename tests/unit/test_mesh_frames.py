@@ -314,3 +314,42 @@ def test_a_record_holding_one_frame_is_parsed_without_iter_frames(monkeypatch: p
     for chunk in a.data_to_send():
         b.receive(chunk)
     assert [g[5] for g in gb[-2:]] == [b"one", b"two"] and len(calls) == 1
+
+
+def test_newer_records_of_the_current_key_open_without_recv_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-order records open inline; a record behind the newest, a forged one's drop, and the
+    records after a rekey (RecvCipher.open takes the next epoch, then the inline path again)
+    count as RecvCipher.open would count them."""
+    a, b, _, gb = _pair(rekey_after=5)  # epoch 0: counters 0-4 (the HELLO was 0)
+    gb.clear()
+    opened: list[int] = []
+    real = frames.RecvCipher.open
+
+    def counted(self: frames.RecvCipher, header: bytes | memoryview, epoch: int, counter: int,
+                ct: memoryview) -> bytes | None:
+        opened.append(counter)
+        return real(self, header, epoch, counter, ct)
+
+    monkeypatch.setattr(frames.RecvCipher, "open", counted)
+    records = []
+    for i in range(3):  # counters 1-3
+        a.send_frame(DATAGRAM, 0, 8, 1, 2, bytes([i]))
+        records.append(b"".join(a.data_to_send()))
+    b.receive(records[0])
+    b.receive(records[2])
+    assert opened == []  # both newer than any before: inline
+    b.receive(records[1])  # behind the newest: the window's general case
+    b.receive(records[1])  # and again: a replay
+    assert opened == [2, 2] and b.replayed == 1 and b.forged == 0
+    a.send_frame(DATAGRAM, 0, 8, 1, 2, b"next")
+    nxt = b"".join(a.data_to_send())  # counter 4, the last of epoch 0
+    forged = bytearray(nxt)
+    forged[-1] ^= 1
+    b.receive(forged)  # newer, forged: dropped inline, counted as open counts it
+    assert b.forged == 1 and len(opened) == 2
+    b.receive(nxt)
+    for i in range(3):  # epoch 1: its first record through open, the rest inline
+        a.send_frame(DATAGRAM, 0, 8, 1, 2, bytes([10 + i]))
+        b.receive(b"".join(a.data_to_send()))
+    assert opened == [2, 2, 0] and b.recv is not None and b.recv.epoch == 1
+    assert [g[5] for g in gb] == [b"\x00", b"\x02", b"\x01", b"next", b"\x0a", b"\x0b", b"\x0c"]
