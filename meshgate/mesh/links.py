@@ -2,9 +2,9 @@
 
 Sending is synchronous: `send_frame` appends to the codec's batch and the
 batch is sealed and written with one `writelines` at the end of the loop
-tick, or, for frames sent while a link's `data_received` runs (a relayed frame, a PONG), at
-the end of that call: a relay writes what a read made in the same callback, without a
-loop turn in between. A handshake that does not finish within `limits.handshake_timeout` is
+tick, or, for frames a link's `data_received` sends on other links (relayed frames), at the
+end of that call: a relay writes what a read made in the same callback, without a loop turn
+in between. A handshake that does not finish within `limits.handshake_timeout` is
 aborted; the owner (MeshService) handles every established frame.
 
 `LinkBase` is the surface the owner sees (HELLO gate, counters, fail/close);
@@ -248,8 +248,9 @@ class LinkBase:
         self._failed = True
 
 
-# The links sent on while a Link.data_received runs (None outside one): that call flushes them
-# when it returns, instead of each scheduling its own flush for the end of the loop tick
+# The links sent on while a Link.data_received runs (None outside one): that call flushes the
+# others (what it relays) when it returns, instead of each scheduling a flush for the end of the
+# loop tick; the link read from flushes at the end of the tick as before
 _dispatch: list[Link] | None = None
 
 
@@ -315,7 +316,12 @@ class Link(LinkBase, asyncio.Protocol):
                 # resumed read held) leaves the flushing to the outer call
                 _dispatch = None
                 for link in batch:
-                    link._flush()
+                    if link is self:
+                        # its own answers (PONG, window updates) leave with whatever else this
+                        # loop tick sends it (other streams' frames): one record under load
+                        self.loop.call_soon(self._flush)
+                    else:
+                        link._flush()
 
     def eof_received(self) -> bool:
         return False
