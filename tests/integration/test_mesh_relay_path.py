@@ -21,10 +21,12 @@ from meshgate.mesh.frames import (
     FLAG_OPENER,
     FRAME,
     MAX_RECORD,
+    PING,
     RECORD,
     SEALED,
     STREAM_OPEN,
     STREAM_RESET,
+    U64,
     UNREACHABLE,
 )
 from meshgate.mesh.links import Link
@@ -123,6 +125,22 @@ async def test_a_relayed_frame_is_written_before_the_read_that_brought_it_return
         assert to_c.bytes_out > sent and not to_c.codec.pending_bytes() and not to_c._flush_scheduled
         await async_wait_until(lambda body=body: bool(_forged(at_c, body)), 5, "the relayed frame")
         assert _forged(at_c, body)[0][2] == DEFAULT_HOP_LIMIT - 1
+
+
+async def test_answers_on_the_link_read_from_wait_for_the_end_of_the_loop_tick(
+    line: list[MeshService],
+) -> None:
+    """What a read makes for the link it came on (here b's PONG to a's PING) is not written
+    within data_received but at the end of the loop tick, with whatever else that tick sends
+    on the link (one record for many streams' frames under load)."""
+    a, b, _c = line
+    from_a = _link(b, a)
+    record = _one_record(_link(a, b), PING, 1, a.node_id, b.node_id, U64.pack(12345))
+    sent = from_a.bytes_out
+    from_a.data_received(record)
+    assert from_a._flush_scheduled and from_a.codec.pending_bytes() and from_a.bytes_out == sent
+    await asyncio.sleep(0)
+    assert not from_a.codec.pending_bytes() and from_a.bytes_out > sent
 
 
 async def test_a_read_that_breaks_its_link_still_writes_what_it_relayed(line: list[MeshService]) -> None:
