@@ -90,11 +90,15 @@ FLAG_AES = 0x04  # E2E_INIT: the initiator has AES instructions (its AEAD offer,
 DEFAULT_HOP_LIMIT = 8
 
 FRAME = struct.Struct("!BBBxHII")
+FRAME_SIZE = FRAME.size
 RECORD = struct.Struct("!IBQ")  # length (of epoch+counter+ciphertext), epoch, counter
-RECORD_EXTRA = RECORD.size - 4  # bytes of the header inside `length`
+RECORD_SIZE = RECORD.size
+RECORD_EXTRA = RECORD_SIZE - 4  # bytes of the header inside `length`
 TAG = 16
+MIN_RECORD = RECORD_EXTRA + TAG  # the least `length`: an empty plaintext
 MAX_PLAINTEXT = 1 << 16
-MAX_BODY = MAX_PLAINTEXT - FRAME.size
+MAX_BODY = MAX_PLAINTEXT - FRAME_SIZE
+MAX_PENDING = MAX_PLAINTEXT - FRAME_SIZE  # a record's plaintext before one more frame's header
 MAX_RECORD = MAX_PLAINTEXT + TAG + RECORD_EXTRA
 REPLAY_WINDOW = 64
 WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
@@ -247,7 +251,7 @@ class SendCipher:
             self.next_epoch()
         counter = self.counter
         self.counter = counter + 1
-        header = RECORD.pack(len(plaintext) + TAG + RECORD_EXTRA, self.epoch, counter)
+        header = RECORD.pack(len(plaintext) + MIN_RECORD, self.epoch, counter)
         return header, self._aead.encrypt(self.nonce(counter), plaintext, header)
 
     def seal_batch(self, prefix: bytes, plaintexts: list[bytes], out: list[bytes]) -> None:
@@ -296,6 +300,10 @@ class _Window:
             self.bitmap |= 1 << (self.highest - counter)
 
 
+# (decrypt, nonce, window, epoch) of a RecvCipher's current key (RecvCipher.current)
+RxKey = tuple[Callable[[bytes, memoryview, memoryview], bytes], Callable[[int], bytes], _Window, int]
+
+
 class RecvCipher:
     """Opens records; keeps the previous epoch's key for stragglers on reordering links."""
 
@@ -310,8 +318,7 @@ class RecvCipher:
         self.window = _Window()
         self._prev: tuple[int, Aead, _Window] | None = None
 
-    def current(self) -> tuple[Callable[[bytes, memoryview, memoryview], bytes], Callable[[int], bytes],
-                               _Window, int]:
+    def current(self) -> RxKey:
         """(decrypt, nonce, window, epoch) of the current key: udp:// links open a batch of
         packets with them inline (UdpSession.receive_batch), records of other epochs by `open`."""
         return self._aead.decrypt, self.nonce, self.window, self.epoch
@@ -429,6 +436,7 @@ class LinkCodec:
         self._pending = bytearray()  # plaintext frames waiting to be sealed
         self.send: SendCipher | None = None
         self.recv: RecvCipher | None = None
+        self._rx_key: RxKey | None = None  # recv.current(): what records of the current key open with
         # counters the adapter flushes into metrics
         self.records_in = 0
         self.replayed = 0
@@ -450,9 +458,13 @@ class LinkCodec:
 
     def data_to_send(self) -> list[bytes]:
         """Chunks for one writelines(); seals any pending frames first."""
-        if self._pending:
-            self._seal_pending()
-        out, self._out = self._out, []
+        out = self._out
+        pending = self._pending
+        if pending:
+            assert self.send is not None, "send_frame before the handshake finished"
+            out += self.send.seal(pending)  # header, ciphertext (_seal_pending's work, one call less)
+            self._pending = bytearray()
+        self._out = []
         return out
 
     # ----------------------------------------------------------------- receive
@@ -521,6 +533,7 @@ class LinkCodec:
         send_key, recv_key = (i2r.k, r2i.k) if self.initiator else (r2i.k, i2r.k)
         self.send = SendCipher(send_key, self.rekey_after, self.suite)
         self.recv = RecvCipher(recv_key, self.suite)
+        self._rx_key = self.recv.current()
         self.remote_static = hs.rs or b""
         self.handshake_hash = hs.handshake_hash
         self._hs = None
@@ -533,26 +546,48 @@ class LinkCodec:
         """Open the complete records at the start of `buf` (the held-back buffer or fresh
         bytes); returns the bytes used. Used bytes leave the held-back buffer even when a
         record fails the link."""
-        recv = self.recv
-        assert recv is not None
+        recv, rx_key = self.recv, self._rx_key
+        assert recv is not None and rx_key is not None
+        decrypt, nonce, window, recv_epoch = rx_key
+        # fresh bytes are immutable: one view of them serves every record. The held-back
+        # bytearray grows if a frame handler feeds this codec again, which no view may block
+        held = buf is self._buf
+        whole = None if held else memoryview(buf)
         pos, end = 0, len(buf)
-        unpack = RECORD.unpack_from
+        unpack, frame_unpack = RECORD.unpack_from, FRAME.unpack_from
         try:
-            while end - pos >= RECORD.size:
+            while end - pos >= RECORD_SIZE:
                 length, epoch, counter = unpack(buf, pos)
-                if length > MAX_RECORD or length < RECORD_EXTRA + TAG:
+                if length > MAX_RECORD or length < MIN_RECORD:
                     raise LinkError("bad_length", f"record length {length} out of range")
                 total = 4 + length
                 if end - pos < total:
                     break
-                view = memoryview(buf)
+                view = whole if whole is not None else memoryview(buf)
+                ct, last = pos + RECORD_SIZE, pos + total  # where the ciphertext starts and ends
                 try:
-                    plain = recv.open(
-                        view[pos : pos + RECORD.size], epoch, counter, view[pos + RECORD.size : pos + total]
-                    )
+                    hi = window.highest
+                    if counter > hi and epoch == recv_epoch:
+                        # a newer record of the current key (nearly every one): RecvCipher.open's
+                        # first case without the call, as UdpSession.receive_batch opens them
+                        try:
+                            plain: bytes | None = decrypt(nonce(counter), view[ct:last], view[pos:ct])
+                        except InvalidTag:
+                            plain = None
+                        else:
+                            shift = counter - hi
+                            if shift != 1 or window.bitmap != WINDOW_MASK:
+                                window.bitmap = (((window.bitmap << shift) | 1) & WINDOW_MASK
+                                                 if shift < REPLAY_WINDOW else 1)
+                            window.highest = counter
+                    else:
+                        plain = recv.open(view[pos:ct], epoch, counter, view[ct:last])
+                        if recv.epoch != recv_epoch:  # the peer rekeyed: that record opened the next epoch
+                            decrypt, nonce, window, recv_epoch = self._rx_key = recv.current()
                 finally:
-                    view.release()
-                pos += total
+                    if held:
+                        view.release()
+                pos = last
                 if plain is None:
                     if recv.window.highest >= counter and epoch == recv.epoch:
                         self.replayed += 1
@@ -560,9 +595,17 @@ class LinkCodec:
                         self.forged += 1
                     continue
                 self.records_in += 1
+                n = len(plain)
+                if n >= FRAME_SIZE:
+                    ftype, flags, hop, length, src, dst = frame_unpack(plain, 0)
+                    if FRAME_SIZE + length == n:
+                        # one frame filling the record (a small request, a relayed frame): what
+                        # iter_frames would do, without its call and its loop
+                        self.on_frame(ftype, flags, hop, src, dst, memoryview(plain)[FRAME_SIZE:])
+                        continue
                 self.malformed += iter_frames(plain, self.on_frame)
         finally:
-            if pos and buf is self._buf:
+            if pos and held:
                 del self._buf[:pos]
         return pos
 
@@ -582,11 +625,11 @@ class LinkCodec:
         sealed with the other frames of this batch at `data_to_send()` (one AEAD per batch)."""
         n = len(head) + len(data)
         pending = self._pending
-        if len(pending) + FRAME.size + n > MAX_PLAINTEXT:
+        if len(pending) + n > MAX_PENDING:
             if pending:
                 self._seal_pending()
                 pending = self._pending
-            if FRAME.size + n > MAX_PLAINTEXT:
+            if n > MAX_BODY:
                 raise ValueError(f"frame body of {n} bytes exceeds {MAX_BODY}")
         pending += FRAME.pack(ftype, flags, hop, n, src, dst)
         pending += head
@@ -598,7 +641,5 @@ class LinkCodec:
 
     def _seal_pending(self) -> None:
         assert self.send is not None, "send_frame before the handshake finished"
-        header, ct = self.send.seal(self._pending)
-        self._out.append(header)
-        self._out.append(ct)
+        self._out += self.send.seal(self._pending)  # header, ciphertext
         self._pending = bytearray()

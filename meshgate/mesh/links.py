@@ -2,7 +2,9 @@
 
 Sending is synchronous: `send_frame` appends to the codec's batch and the
 batch is sealed and written with one `writelines` at the end of the loop
-tick. A handshake that does not finish within `limits.handshake_timeout` is
+tick, or, for frames a link's `data_received` sends on other links (relayed frames), at the
+end of that call: a relay writes what a read made in the same callback, without a loop turn
+in between. A handshake that does not finish within `limits.handshake_timeout` is
 aborted; the owner (MeshService) handles every established frame.
 
 `LinkBase` is the surface the owner sees (HELLO gate, counters, fail/close);
@@ -268,6 +270,12 @@ class LinkBase:
         self._failed = True
 
 
+# The links sent on while a Link.data_received runs (None outside one): that call flushes the
+# others (what it relays) when it returns, instead of each scheduling a flush for the end of the
+# loop tick; the link read from flushes at the end of the tick as before
+_dispatch: list[Link] | None = None
+
+
 class Link(LinkBase, asyncio.Protocol):
     """A link over a byte pipe (TCP, QUIC stream, ring) with the LinkCodec."""
 
@@ -308,15 +316,34 @@ class Link(LinkBase, asyncio.Protocol):
         self._flush()
 
     def data_received(self, data: bytes) -> None:
+        global _dispatch
         self.last_rx = self.loop.time()
         self.bytes_in += len(data)
+        codec = self.codec
+        handshaking = codec.send is None  # its answers go out without send_frame
+        outer = _dispatch
+        batch: list[Link] = [] if outer is None else outer
+        _dispatch = batch
         try:
-            self.codec.receive(data)
-        except LinkError as e:
-            self.fail(e.reason, str(e))
-            return
-        if not self._flush_scheduled:
-            self._flush()
+            try:
+                codec.receive(data)
+            except LinkError as e:
+                self.fail(e.reason, str(e))
+                return
+            if handshaking:
+                self._flush()
+        finally:
+            if outer is None:
+                # a link called within another's data_received (a ring delivering what a
+                # resumed read held) leaves the flushing to the outer call
+                _dispatch = None
+                for link in batch:
+                    if link is self:
+                        # its own answers (PONG, window updates) leave with whatever else this
+                        # loop tick sends it (other streams' frames): one record under load
+                        self.loop.call_soon(self._flush)
+                    else:
+                        link._flush()
 
     def eof_received(self) -> bool:
         return False
@@ -338,7 +365,10 @@ class Link(LinkBase, asyncio.Protocol):
         self.codec.send_frame(ftype, flags, hop, src, dst, head, data)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self.loop.call_soon(self._flush)
+            if _dispatch is not None:
+                _dispatch.append(self)
+            else:
+                self.loop.call_soon(self._flush)
 
     def buffered(self) -> int:
         t = self.transport
@@ -355,9 +385,10 @@ class Link(LinkBase, asyncio.Protocol):
     def _flush(self) -> None:
         self._flush_scheduled = False
         chunks = self.codec.data_to_send()
-        if chunks and self.transport is not None and not self.transport.is_closing():
+        t = self.transport
+        if chunks and t is not None and not t.is_closing():
             self.bytes_out += sum(map(len, chunks))
-            self.transport.writelines(chunks)
+            t.writelines(chunks)
 
     # ------------------------------------------------------------ closing
 

@@ -109,7 +109,8 @@ _datagrams = REGISTRY.counter("meshgate_mesh_datagrams_total", "Mesh datagrams",
 _links_closed = REGISTRY.counter(
     "meshgate_mesh_links_closed_total", "Mesh links this node closed on its own", ("reason",)
 )
-# the family's one child, bound once: a relayed frame counts without the family's label lookup
+# the family's one child, bound once; relayed frames are counted in MeshService.relayed and
+# added to it once per tick (flush_counts), not with a lock per frame
 _forwarded = REGISTRY.counter(
     "meshgate_mesh_frames_forwarded_total", "Frames relayed for other nodes"
 ).labels()
@@ -316,6 +317,7 @@ class MeshService:
         # node with a route: bounded by limits.route_records like the table
         self._route_cache: dict[int, LinkBase] = {}
         self._route_cache_version = -1
+        self.relayed = 0  # frames relayed since the last flush_counts (the relay's hot path)
         self._stay: set[tuple[int, int, bool]] = set()  # streams whose peer did not help them move
         self._ticks = 0
         self._running = False
@@ -375,6 +377,7 @@ class MeshService:
 
     async def stop(self) -> None:
         self._running = False
+        self.flush_counts()
         if self._tick_handle is not None:
             self._tick_handle.cancel()
         if self._build_timer is not None:
@@ -825,8 +828,15 @@ class MeshService:
         if self._ticks % EXPIRY_CHECK_TICKS == 0:
             self._enforce_certificates()
         self._sync()
+        self.flush_counts()
         if self._running:
             self._tick_handle = self.loop.call_later(self.ping_interval, self._tick)
+
+    def flush_counts(self) -> None:
+        """Add what the hot path counted in plain ints to the metrics (every tick, and at stop)."""
+        if self.relayed:
+            _forwarded.inc(self.relayed)
+            self.relayed = 0
 
     def _stalled(self, link: LinkBase, now: float) -> bool:
         """A link whose peer stopped reading: it holds more than limits.mesh_link_buffer and
@@ -1096,7 +1106,7 @@ class MeshService:
         if ftype in UNRELIABLE and out.buffered() > self.link_buffer:
             _datagrams.labels("dropped_congested").inc()
             return
-        _forwarded.inc()
+        self.relayed += 1
         out.send_frame(ftype, flags, hop - 1, src, dst, body)
 
     def _refuse_relayed_open(self, ftype: int, src: int, dst: int, body: memoryview, code: int) -> None:

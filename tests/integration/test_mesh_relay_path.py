@@ -20,14 +20,19 @@ from meshgate.mesh.frames import (
     DEFAULT_HOP_LIMIT,
     FLAG_OPENER,
     FRAME,
+    MAX_RECORD,
+    PING,
+    RECORD,
     SEALED,
     STREAM_OPEN,
     STREAM_RESET,
+    U64,
     UNREACHABLE,
 )
 from meshgate.mesh.links import Link
 from meshgate.mesh.service import UNREACH, MeshService
 from meshgate.mesh.streams import RESET, encode_open
+from meshgate.metrics import REGISTRY
 from meshgate.replies import NETWORK_UNREACHABLE, TTL_EXPIRED
 from tests.helpers import async_wait_until
 from tests.mesh_testing import node_config, ring_name, start_node, stop_all, unused_id
@@ -84,6 +89,8 @@ async def test_relayed_frames_lose_one_hop_and_keep_their_bytes(line: list[MeshS
     a, b, c = line
     at_c = _record(c)
     to_b = _link(a, b)
+    b.flush_counts()
+    counted = REGISTRY.value("meshgate_mesh_frames_forwarded_total")
     bodies = [os.urandom(100) for _ in range(3)]
     for i, body in enumerate(bodies):  # the first fills b's route cache, the others use it
         to_b.send_frame(SEALED, 0, 5 + i, a.node_id, c.node_id, body)
@@ -94,6 +101,64 @@ async def test_relayed_frames_lose_one_hop_and_keep_their_bytes(line: list[MeshS
     assert b._route_cache, "the relay answered from its route cache"
     # c dropped them (not sealed by a): the relay passed them on without reading them
     assert c.stats["e2e_dropped_unknown_session"] >= 3
+    # counted in a plain int on the hot path, in the metric once flushed (every tick)
+    b.flush_counts()
+    assert REGISTRY.value("meshgate_mesh_frames_forwarded_total") - counted == 3 and b.relayed == 0
+
+
+def _one_record(frm: Link, ftype: int, hop: int, src: int, dst: int, body: bytes) -> bytes:
+    """What `frm` would write for this one frame (its codec's next record), not written."""
+    frm.codec.send_frame(ftype, 0, hop, src, dst, body)
+    return b"".join(frm.codec.data_to_send())
+
+
+async def test_a_relayed_frame_is_written_before_the_read_that_brought_it_returns(
+    line: list[MeshService],
+) -> None:
+    """b writes what a read made (the relayed frame) within that data_received call: no loop
+    turn in between, and no flush left scheduled for later."""
+    a, b, c = line
+    at_c = _record(c)
+    from_a, to_c = _link(b, a), _link(b, c)
+    for _ in range(2):  # cold route cache, then warm
+        body = os.urandom(64)
+        record = _one_record(_link(a, b), SEALED, DEFAULT_HOP_LIMIT, a.node_id, c.node_id, body)
+        sent = to_c.bytes_out
+        from_a.data_received(record)
+        assert to_c.bytes_out > sent and not to_c.codec.pending_bytes() and not to_c._flush_scheduled
+        await async_wait_until(lambda body=body: bool(_forged(at_c, body)), 5, "the relayed frame")
+        assert _forged(at_c, body)[0][2] == DEFAULT_HOP_LIMIT - 1
+
+
+async def test_answers_on_the_link_read_from_wait_for_the_end_of_the_loop_tick(
+    line: list[MeshService],
+) -> None:
+    """What a read makes for the link it came on (here b's PONG to a's PING) is not written
+    within data_received but at the end of the loop tick, with whatever else that tick sends
+    on the link (one record for many streams' frames under load)."""
+    a, b, _c = line
+    from_a = _link(b, a)
+    record = _one_record(_link(a, b), PING, 1, a.node_id, b.node_id, U64.pack(12345))
+    sent = from_a.bytes_out
+    from_a.data_received(record)
+    assert from_a._flush_scheduled and from_a.codec.pending_bytes() and from_a.bytes_out == sent
+    await asyncio.sleep(0)
+    assert not from_a.codec.pending_bytes() and from_a.bytes_out > sent
+
+
+async def test_a_read_that_breaks_its_link_still_writes_what_it_relayed(line: list[MeshService]) -> None:
+    """A read whose second record is broken (a length out of range) closes the link it came on;
+    the frame its first record held was already handed to b's link to c and is written."""
+    a, b, c = line
+    at_c = _record(c)
+    from_a, to_c = _link(b, a), _link(b, c)
+    body = os.urandom(64)
+    record = _one_record(_link(a, b), SEALED, DEFAULT_HOP_LIMIT, a.node_id, c.node_id, body)
+    sent = to_c.bytes_out
+    from_a.data_received(record + RECORD.pack(MAX_RECORD + 1, 0, 0))
+    assert from_a.transport is not None and from_a.transport.is_closing()
+    assert to_c.bytes_out > sent and not to_c._flush_scheduled
+    await async_wait_until(lambda: bool(_forged(at_c, body)), 5, "the frame of the first record")
 
 
 async def test_a_warm_relay_still_refuses_a_frame_at_the_hop_limit(line: list[MeshService]) -> None:

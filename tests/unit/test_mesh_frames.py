@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from meshgate.mesh import frames
 from meshgate.mesh.frames import (
     DATAGRAM,
+    FRAME,
     HELLO,
     PREFACE,
     Hello,
@@ -259,3 +260,96 @@ def test_fuzz_handshake_receive(data: bytes) -> None:
     with contextlib.suppress(LinkError):
         b.receive(PREFACE + data)
     assert not b.established
+
+
+_frame = st.builds(
+    lambda t, f, h, src, dst, body: FRAME.pack(t, f, h, len(body), src, dst) + body,
+    st.integers(0, 255), st.integers(0, 255), st.integers(0, 255),
+    st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.binary(max_size=40),
+)
+# what a record's plaintext may hold: frames, cut short or followed by bytes that are no frame
+_plaintexts = st.one_of(
+    _frame,
+    st.lists(_frame, max_size=3).map(b"".join),
+    st.tuples(_frame, st.integers(1, 20)).map(lambda p: p[0][: -p[1]]),
+    st.tuples(_frame, st.binary(min_size=1, max_size=20)).map(lambda p: p[0] + p[1]),
+    st.binary(max_size=40),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_plaintexts)
+def test_a_record_is_parsed_as_iter_frames_parses_it(plain: bytes) -> None:
+    """A record holding exactly one frame is parsed inline, without iter_frames; whatever a
+    record holds (one frame, several, a header cut short or lying about its length, nothing),
+    the frames handed on and the malformed count are iter_frames' own."""
+    a, b, _, gb = _pair()
+    gb.clear()
+    want: Got = []
+    bad = iter_frames(plain, lambda t, f, h, s, d, body: want.append((t, f, h, s, d, bytes(body))))
+    malformed, records = b.malformed, b.records_in
+    a._pending += plain  # one record with exactly this plaintext
+    for chunk in a.data_to_send():
+        b.receive(chunk)
+    assert b.records_in == records + (1 if plain else 0)
+    assert gb == want and b.malformed - malformed == bad
+
+
+def test_a_record_holding_one_frame_is_parsed_without_iter_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, _, gb = _pair()
+    calls: list[int] = []
+    real = frames.iter_frames
+
+    def counted(plain: bytes, on_frame: frames.FrameHandler) -> int:
+        calls.append(len(plain))
+        return real(plain, on_frame)
+
+    monkeypatch.setattr(frames, "iter_frames", counted)
+    a.send_frame(DATAGRAM, 2, 8, 1, 99, b"h", b"x" * 64)
+    for chunk in a.data_to_send():
+        b.receive(chunk)
+    assert gb[-1] == (DATAGRAM, 2, 8, 1, 99, b"h" + b"x" * 64) and calls == []
+    a.send_frame(DATAGRAM, 0, 8, 1, 99, b"one")
+    a.send_frame(DATAGRAM, 0, 8, 1, 99, b"two")  # two frames in one record: the general loop
+    for chunk in a.data_to_send():
+        b.receive(chunk)
+    assert [g[5] for g in gb[-2:]] == [b"one", b"two"] and len(calls) == 1
+
+
+def test_newer_records_of_the_current_key_open_without_recv_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-order records open inline; a record behind the newest, a forged one's drop, and the
+    records after a rekey (RecvCipher.open takes the next epoch, then the inline path again)
+    count as RecvCipher.open would count them."""
+    a, b, _, gb = _pair(rekey_after=5)  # epoch 0: counters 0-4 (the HELLO was 0)
+    gb.clear()
+    opened: list[int] = []
+    real = frames.RecvCipher.open
+
+    def counted(self: frames.RecvCipher, header: bytes | memoryview, epoch: int, counter: int,
+                ct: memoryview) -> bytes | None:
+        opened.append(counter)
+        return real(self, header, epoch, counter, ct)
+
+    monkeypatch.setattr(frames.RecvCipher, "open", counted)
+    records = []
+    for i in range(3):  # counters 1-3
+        a.send_frame(DATAGRAM, 0, 8, 1, 2, bytes([i]))
+        records.append(b"".join(a.data_to_send()))
+    b.receive(records[0])
+    b.receive(records[2])
+    assert opened == []  # both newer than any before: inline
+    b.receive(records[1])  # behind the newest: the window's general case
+    b.receive(records[1])  # and again: a replay
+    assert opened == [2, 2] and b.replayed == 1 and b.forged == 0
+    a.send_frame(DATAGRAM, 0, 8, 1, 2, b"next")
+    nxt = b"".join(a.data_to_send())  # counter 4, the last of epoch 0
+    forged = bytearray(nxt)
+    forged[-1] ^= 1
+    b.receive(forged)  # newer, forged: dropped inline, counted as open counts it
+    assert b.forged == 1 and len(opened) == 2
+    b.receive(nxt)
+    for i in range(3):  # epoch 1: its first record through open, the rest inline
+        a.send_frame(DATAGRAM, 0, 8, 1, 2, bytes([10 + i]))
+        b.receive(b"".join(a.data_to_send()))
+    assert opened == [2, 2, 0] and b.recv is not None and b.recv.epoch == 1
+    assert [g[5] for g in gb] == [b"\x00", b"\x02", b"\x01", b"next", b"\x0a", b"\x0b", b"\x0c"]
