@@ -300,10 +300,6 @@ class _Window:
             self.bitmap |= 1 << (self.highest - counter)
 
 
-# (decrypt, nonce, window, epoch) of a RecvCipher's current key (RecvCipher.current)
-RxKey = tuple[Callable[[bytes, memoryview, memoryview], bytes], Callable[[int], bytes], _Window, int]
-
-
 class RecvCipher:
     """Opens records; keeps the previous epoch's key for stragglers on reordering links."""
 
@@ -318,7 +314,8 @@ class RecvCipher:
         self.window = _Window()
         self._prev: tuple[int, Aead, _Window] | None = None
 
-    def current(self) -> RxKey:
+    def current(self) -> tuple[Callable[[bytes, memoryview, memoryview], bytes], Callable[[int], bytes],
+                               _Window, int]:
         """(decrypt, nonce, window, epoch) of the current key: udp:// links open a batch of
         packets with them inline (UdpSession.receive_batch), records of other epochs by `open`."""
         return self._aead.decrypt, self.nonce, self.window, self.epoch
@@ -436,7 +433,6 @@ class LinkCodec:
         self._pending = bytearray()  # plaintext frames waiting to be sealed
         self.send: SendCipher | None = None
         self.recv: RecvCipher | None = None
-        self._rx_key: RxKey | None = None  # recv.current(): what records of the current key open with
         # counters the adapter flushes into metrics
         self.records_in = 0
         self.replayed = 0
@@ -533,7 +529,6 @@ class LinkCodec:
         send_key, recv_key = (i2r.k, r2i.k) if self.initiator else (r2i.k, i2r.k)
         self.send = SendCipher(send_key, self.rekey_after, self.suite)
         self.recv = RecvCipher(recv_key, self.suite)
-        self._rx_key = self.recv.current()
         self.remote_static = hs.rs or b""
         self.handshake_hash = hs.handshake_hash
         self._hs = None
@@ -546,9 +541,8 @@ class LinkCodec:
         """Open the complete records at the start of `buf` (the held-back buffer or fresh
         bytes); returns the bytes used. Used bytes leave the held-back buffer even when a
         record fails the link."""
-        recv, rx_key = self.recv, self._rx_key
-        assert recv is not None and rx_key is not None
-        decrypt, nonce, window, recv_epoch = rx_key
+        recv = self.recv
+        assert recv is not None
         # fresh bytes are immutable: one view of them serves every record. The held-back
         # bytearray grows if a frame handler feeds this codec again, which no view may block
         held = buf is self._buf
@@ -564,30 +558,14 @@ class LinkCodec:
                 if end - pos < total:
                     break
                 view = whole if whole is not None else memoryview(buf)
-                ct, last = pos + RECORD_SIZE, pos + total  # where the ciphertext starts and ends
                 try:
-                    hi = window.highest
-                    if counter > hi and epoch == recv_epoch:
-                        # a newer record of the current key (nearly every one): RecvCipher.open's
-                        # first case without the call, as UdpSession.receive_batch opens them
-                        try:
-                            plain: bytes | None = decrypt(nonce(counter), view[ct:last], view[pos:ct])
-                        except InvalidTag:
-                            plain = None
-                        else:
-                            shift = counter - hi
-                            if shift != 1 or window.bitmap != WINDOW_MASK:
-                                window.bitmap = (((window.bitmap << shift) | 1) & WINDOW_MASK
-                                                 if shift < REPLAY_WINDOW else 1)
-                            window.highest = counter
-                    else:
-                        plain = recv.open(view[pos:ct], epoch, counter, view[ct:last])
-                        if recv.epoch != recv_epoch:  # the peer rekeyed: that record opened the next epoch
-                            decrypt, nonce, window, recv_epoch = self._rx_key = recv.current()
+                    plain = recv.open(
+                        view[pos : pos + RECORD_SIZE], epoch, counter, view[pos + RECORD_SIZE : pos + total]
+                    )
                 finally:
                     if held:
                         view.release()
-                pos = last
+                pos += total
                 if plain is None:
                     if recv.window.highest >= counter and epoch == recv.epoch:
                         self.replayed += 1
