@@ -196,6 +196,7 @@ class HttpClient(ClientProtocol):
             self._parse()
         elif self.state == _CONNECTING:
             self._buf += data  # a read delivered while dialing: sent behind the request
+            self.hold_while_dialing()
         elif self.state != _RELAY or (n := self._to_origin(len(data))) == len(data):
             super().data_received(data)
         elif n:
@@ -312,8 +313,7 @@ class HttpClient(ClientProtocol):
 
     def _dial(self, kind: str, host: str, port: int, reply: bytes, prefix: bytes) -> None:
         assert self.transport is not None
-        self.state = _CONNECTING
-        self.transport.pause_reading()  # a body behind the head waits in the kernel
+        self.state = _CONNECTING  # a body behind the head: hold_while_dialing
         self._dial_kind = kind
         self.start_dial(host, port, self._connect_http(kind, host, port, reply, prefix))
 

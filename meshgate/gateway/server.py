@@ -374,9 +374,10 @@ class ClientProtocol(asyncio.BufferedProtocol):
         if self.state == _HANDSHAKE:
             self._handshake(data)
         elif self.state == _CONNECTING:
-            # Reading is paused while we dial; a read already delivered is kept
-            # and forwarded after the reply.
+            # Bytes the client sent behind its request before our reply: kept and forwarded
+            # after it, and reading stops until then (see hold_while_dialing).
             self.core.receive_data(data)
+            self.hold_while_dialing()
         elif self.state == _UDP:
             self._active = True  # the control connection carries nothing; ignore it
 
@@ -496,20 +497,20 @@ class ClientProtocol(asyncio.BufferedProtocol):
             return
         assert self.transport is not None
         self.state = _CONNECTING
-        self.transport.pause_reading()  # bytes behind the request wait in the kernel
         if request.command == socks5.CMD_UDP_ASSOCIATE and self.server.hand_over is not None:
             self._hand_over(request)  # a worker: the node's process holds the UDP paths
             return
         if request.command == socks5.CMD_CONNECT:
             # the dial's time limit is this connection's timer (the dialer's connect_timeout), not
             # a second one inside the dial (Dialer.connect): one timer per connection
-            self.start_dial(request.host, request.port, self._connect(request))
+            host = request.host  # the address as text, made once
+            self.start_dial(host, request.port, self._connect(request, host))
         else:
             self._disarm()  # opening the UDP association is not timed; its idle checks are
             self._connect_task = self.loop.create_task(self._associate(request))
 
-    async def _connect(self, request: socks5.Request) -> None:
-        host, port = request.host, request.port
+    async def _connect(self, request: socks5.Request, host: str) -> None:
+        port = request.port
 
         try:
             transport, _, bound = await self.server.dialer.dial(host, port, lambda: UpstreamProtocol(self))
@@ -534,6 +535,14 @@ class ClientProtocol(asyncio.BufferedProtocol):
         _CONNECT_OK.inc()
         self.begin_relay(transport, socks5.build_reply(socks5.REP_SUCCEEDED, bound[0], bound[1]),
                          self.core.trailing_data())
+
+    def hold_while_dialing(self) -> None:
+        """A read arrived while dialing: what follows waits in the kernel until the reply
+        (begin_relay resumes), so a connection holds at most that one read. Reading is
+        stopped here, at the first such read, not when the dial starts: most clients send
+        nothing before the reply, and each stop and start is an epoll_ctl in the loop."""
+        if self.transport is not None:
+            self.transport.pause_reading()
 
     def start_dial(self, host: str, port: int, dial: Coroutine[Any, Any, None]) -> None:
         """Run `dial` (a coroutine that calls dialer.dial for host:port and answers the client)

@@ -525,6 +525,36 @@ async def test_idle_timeout_closes_quiet_relay() -> None:
         w.close()
 
 
+async def test_reading_stops_while_dialing_only_once_the_client_sends_ahead_of_the_reply() -> None:
+    """A client that waits for the reply (most do) is never paused and resumed around the dial
+    (each is an epoll_ctl); one that sends early has that read kept and reading stopped until
+    the reply, and the bytes reach the destination after it."""
+    gate = asyncio.Event()
+
+    class Resolver:
+        async def resolve_host(self, name: str) -> list[str]:
+            await gate.wait()
+            return ["127.0.0.1"]
+
+    async with portal(resolver=Resolver()) as p, echo_server() as (eport, _):
+        r, w = await asyncio.open_connection("127.0.0.1", p.port)
+        w.write(b"\x05\x01\x00" + request(1, 3, b"gated.test", eport))
+        assert await r.readexactly(2) == b"\x05\x00"
+        await async_wait_until(lambda: any(c._connect_task is not None for c in p.clients), what="dialing")
+        (client,) = p.clients
+        assert client.transport is not None
+        assert client.transport.is_reading()
+        w.write(b"early")
+        await async_wait_until(lambda: not client.transport.is_reading(),  # type: ignore[union-attr]
+                               what="reading stopped")
+        gate.set()
+        rep, _, _, _ = await asyncio.wait_for(read_reply(r), 10)
+        assert rep == 0
+        assert await asyncio.wait_for(r.readexactly(5), 10) == b"early"
+        assert client.transport.is_reading()
+        w.close()
+
+
 class TimerCount:
     """Stands in for a client's event loop and counts the timers armed on it."""
 
