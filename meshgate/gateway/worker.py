@@ -64,7 +64,7 @@ class ParentRoutes:
         self._waiting[qid] = fut
         try:
             self.writer.write(frame(b"Q", QUESTION.pack(qid, port) + host.encode("ascii", "replace")))
-            return await fut  # the dialer's connect timeout bounds the wait
+            return await fut  # the connect timeout (the client's timer, or Dialer.connect) bounds the wait
         finally:
             self._waiting.pop(qid, None)
 
