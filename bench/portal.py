@@ -45,7 +45,7 @@ network namespace; run the whole benchmark in one:
 
     bench/peers/isolated .venv/bin/python bench/portal.py [--size MiB] [--rounds N]
         [--churn N] [--churn-seconds S] [--burst K] [--sections main,churn] [--only meshgate,easytier]
-        [--ab REF] [--variant NAME=TOML] [--baseline NAME] [--json FILE]
+        [--ab REF] [--variant NAME=TOML] [--socks-workers N] [--baseline NAME] [--json FILE]
 
 Outside one, the EasyTier rows are skipped with a note. `--ab REF` adds
 meshgate as of git REF as a third line (A/B of a change, in alternating pairs).
@@ -154,10 +154,12 @@ class Line:
 
 
 class MeshgateLine(Line):
-    def __init__(self, name: str, workdir: str, tree: Path = ROOT, extra_toml: str = "") -> None:
+    def __init__(self, name: str, workdir: str, tree: Path = ROOT, extra_toml: str = "",
+                 socks_workers: int = 1) -> None:
         super().__init__(name, workdir)
         self.tree = tree  # the checkout to run (an extracted git REF for --ab)
         self.extra_toml = extra_toml  # appended to every node's config (--variant)
+        self.socks_workers = socks_workers  # node A's socks5.workers (--socks-workers)
         self.ports = {"a": free_port(), "b": self.b_port, "c": free_port()}
 
     def node_peer(self, node: str) -> Peer:
@@ -166,6 +168,8 @@ class MeshgateLine(Line):
         peers = "" if node == "b" else f'"tcp://127.0.0.1:{self.b_port}"'
         if node == "a":
             socks = f'listen = "{self.socks[0]}:{self.socks[1]}"\nmax_clients = 4096'
+            if self.socks_workers > 1:
+                socks += f"\nworkers = {self.socks_workers}"
         else:
             socks = "enable = false"
         conf = self.workdir / f"{node}.toml"
@@ -355,6 +359,9 @@ def main() -> int:
                    help="also run meshgate with TOML appended to every node's config (\\n for newlines), "
                    "e.g. 'window1m=[limits]\\nstream_window = 1048576'")
     p.add_argument("--ab", metavar="REF", help="also run meshgate as of git REF (A/B of a change)")
+    p.add_argument("--socks-workers", type=int, default=0, metavar="N",
+                   help="also run meshgate with socks5.workers = N on node A ('meshgate workersN': "
+                   "every CONNECT is mesh-bound, so each is handed over to A's node process)")
     p.add_argument("--baseline", metavar="NAME",
                    help="the variant the ratios are against (default: easytier if it runs, else "
                    "meshgate@REF with --ab, else meshgate), e.g. meshgate for a --variant's effect")
@@ -370,6 +377,10 @@ def main() -> int:
     if args.ab and selected(args, f"meshgate@{args.ab}"):
         tree = git_tree(args.ab, workdir)
         starters[f"meshgate@{args.ab}"] = lambda: MeshgateLine(f"meshgate@{args.ab}", workdir, tree)
+    if args.socks_workers > 1:
+        wname = f"meshgate workers{args.socks_workers}"
+        starters[wname] = functools.partial(MeshgateLine, wname, workdir, ROOT,
+                                            socks_workers=args.socks_workers)
     for spec in args.variant:
         vname, _, toml = spec.partition("=")
         starters[vname] = functools.partial(MeshgateLine, vname, workdir, ROOT, toml.replace("\\n", "\n"))

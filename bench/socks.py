@@ -103,12 +103,10 @@ def start_meshgate_ref(ref: str) -> Callable[[int, str], Peer]:
     def start(port: int, workdir: str) -> Peer:
         tree = git_tree(ref, workdir)
         conf = Path(workdir, f"meshgate-{port}.toml")
-        # its own state_dir: the default one may be held by another node on this machine
-        conf.write_text(
-            f'log_level = "warning"\n[node]\nstate_dir = "{Path(workdir, f"state-{port}")}"\n'
-            f'[socks5]\nlisten = "127.0.0.1:{port}"\nmax_clients = 4096\n'
-            "[admin]\nenable = false\n"
-        )
+        # the `meshgate` row's config (HTTP proxy, admin API, DNS records, [exit]) on ports of its
+        # own, so the A/B compares like with like; its own state_dir: the default one may be
+        # held by another node on this machine
+        conf.write_text(meshgate_conf(port, free_port(), free_port(), 0, Path(workdir, f"state-{port}")))
         # cwd first on sys.path (-m): the extracted package shadows the working tree's.
         argv = [*PIN, sys.executable, "-m", "meshgate", "run", "-c", str(conf), "--loop", "uvloop"]
         return Peer(f"meshgate@{ref}", argv, port=port, cwd=str(tree)).start()

@@ -23,7 +23,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 from meshgate import replies
 from meshgate.buffers import Buffer, BufferPool
@@ -125,18 +125,26 @@ class Dialer:
     async def connect(
         self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
     ) -> tuple[asyncio.Transport, asyncio.Protocol, tuple[str, int]]:
-        """Connect within connect_timeout (resolution included); addresses tried in order."""
+        """Connect within connect_timeout (resolution included); addresses tried in order.
+
+        `dial` without the timeout: a caller that already keeps a timer per connection (the
+        portals' ClientProtocol) bounds the dial with that instead of a second one."""
         try:
             async with asyncio.timeout(self.connect_timeout):
-                return await self._connect(host, port, protocol_factory)
+                transport, protocol, bound = await self.dial(host, port, protocol_factory)
+                return transport, cast(asyncio.Protocol, protocol), bound  # the factory's
         except TimeoutError:
-            raise DialError(
-                replies.TTL_EXPIRED, f"connect to {host}:{port} timed out after {self.connect_timeout}s"
-            ) from None
+            raise self.timed_out(host, port) from None
 
-    async def _connect(
-        self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
-    ) -> tuple[asyncio.Transport, asyncio.Protocol, tuple[str, int]]:
+    def timed_out(self, host: str, port: int) -> DialError:
+        """What a dial that outlived connect_timeout fails with (reply 0x06)."""
+        return DialError(replies.TTL_EXPIRED,
+                         f"connect to {host}:{port} timed out after {self.connect_timeout}s")
+
+    async def dial(
+        self, host: str, port: int, protocol_factory: Callable[[], asyncio.BaseProtocol]
+    ) -> tuple[asyncio.Transport, asyncio.BaseProtocol, tuple[str, int]]:
+        """Resolve, check the policy and connect, with no time limit of its own (see `connect`)."""
         allowed: list[IPAddress] | list[str]
         if self.policy is None and _is_ip_literal(host):
             # An address literal with no egress rules to check: connect at once,

@@ -113,9 +113,9 @@ class MeshDialer(Dialer):
         (the portal's mesh UDP, gateway/mesh_udp.py, handed in by the node)."""
         return await self._open_udp(on_datagram, pool)
 
-    async def _connect(
-        self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
-    ) -> tuple[asyncio.Transport, asyncio.Protocol, tuple[str, int]]:
+    async def dial(
+        self, host: str, port: int, protocol_factory: Callable[[], asyncio.BaseProtocol]
+    ) -> tuple[asyncio.Transport, asyncio.BaseProtocol, tuple[str, int]]:
         try:
             ip: IPAddress | None = ipaddress.ip_address(host)
         except ValueError:
@@ -128,7 +128,7 @@ class MeshDialer(Dialer):
         if route is None:
             if self.direct_fallback and not (ip is not None and in_any(ip, self.rules.vnets)):
                 _routed.labels("direct").inc()
-                return await super()._connect(host, port, protocol_factory)
+                return await super().dial(host, port, protocol_factory)
             _routed.labels("unreachable").inc()
             if self.exit_required:
                 _rlog.warning("no_exit", "no exit of mesh.exit_nodes is reachable: %s:%d refused (0x03),"

@@ -172,10 +172,10 @@ class HttpClient(ClientProtocol):
     splice_bulk = False  # plain forwarding reads what passes; CONNECT stays in Python too
 
     kind = "http_proxy"
-    m_clients = CLIENTS
-    m_accepted = ACCEPTED
-    m_refused = REFUSED
-    m_refused_per_source = REFUSED_PER_SOURCE
+    m_clients = CLIENTS.labels()
+    m_accepted = ACCEPTED.labels()
+    m_refused = REFUSED.labels()
+    m_refused_per_source = REFUSED_PER_SOURCE.labels()
     m_handshake_timeouts = TIMEOUTS.labels("handshake")
     m_idle_timeouts = TIMEOUTS.labels("idle")
     m_bytes_in = BYTES.labels("in")
@@ -188,6 +188,7 @@ class HttpClient(ClientProtocol):
         # a forwarded request: the body bytes still to send its origin (Content-Length, else 0);
         # None relays what comes (a CONNECT tunnel, a chunked body)
         self._body_left: int | None = None
+        self._dial_kind = "connect"  # the REQUESTS kind of the dial under way: connect, forward
 
     def data_received(self, data: bytes) -> None:
         if self.state == _HANDSHAKE:
@@ -195,6 +196,7 @@ class HttpClient(ClientProtocol):
             self._parse()
         elif self.state == _CONNECTING:
             self._buf += data  # a read delivered while dialing: sent behind the request
+            self.hold_while_dialing()
         elif self.state != _RELAY or (n := self._to_origin(len(data))) == len(data):
             super().data_received(data)
         elif n:
@@ -310,22 +312,23 @@ class HttpClient(ClientProtocol):
     # ----------------------------------------------------------------- dial and relay
 
     def _dial(self, kind: str, host: str, port: int, reply: bytes, prefix: bytes) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         assert self.transport is not None
-        self.state = _CONNECTING
-        self.transport.pause_reading()  # a body behind the head waits in the kernel
-        self._connect_task = self.loop.create_task(self._connect_http(kind, host, port, reply, prefix))
+        self.state = _CONNECTING  # a body behind the head: hold_while_dialing
+        self._dial_kind = kind
+        self.start_dial(host, port, self._connect_http(kind, host, port, reply, prefix))
+
+    def dial_failed(self, e: DialError) -> None:
+        where = host_port(*self._dialing) if self._dialing else "?"
+        rlog.debug(f"http_proxy:dial:{e.reply}", "http_proxy: %s to %s for %s", e, where,
+                   peer_text(self.peer))
+        if self.state == _CONNECTING:
+            self._respond(self._dial_kind, status_for(e.reply), f"{where}: {e}\n")
 
     async def _connect_http(self, kind: str, host: str, port: int, reply: bytes, prefix: bytes) -> None:
         try:
-            transport, _, _ = await self.server.dialer.connect(host, port, lambda: UpstreamProtocol(self))
+            transport, _, _ = await self.server.dialer.dial(host, port, lambda: UpstreamProtocol(self))
         except DialError as e:
-            rlog.debug(f"http_proxy:dial:{e.reply}", "http_proxy: %s to %s for %s", e,
-                       host_port(host, port), peer_text(self.peer))
-            if self.state == _CONNECTING:
-                self._respond(kind, status_for(e.reply), f"{host_port(host, port)}: {e}\n")
+            self.dial_failed(e)
             return
         except Exception as e:  # never a traceback to the client; answer and log
             log.warning("http_proxy: unexpected error connecting to %s: %r", host_port(host, port), e)
@@ -334,6 +337,7 @@ class HttpClient(ClientProtocol):
             return
         finally:
             self._connect_task = None
+            self._dialing = None
         if self.state != _CONNECTING:  # the client left while we dialed
             transport.close()
             return

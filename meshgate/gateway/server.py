@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, cast
 
 from meshgate.buffers import BufferPool
@@ -84,6 +84,10 @@ SPLICED = REGISTRY.counter(
     "meshgate_socks5_spliced_total",
     "Relays between two TCP sockets handed to the kernel (splice) once they showed bulk",
 )
+# children looked up once: a family's inc() finds its child by label values on every call
+_ACCEPTED = ACCEPTED.labels()
+_CLIENTS = CLIENTS.labels()
+_CONNECT_OK = CONNECTS.labels("connect", "succeeded")
 _BYTES_IN = BYTES.labels("in")
 _BYTES_OUT = BYTES.labels("out")
 _HANDSHAKE_TIMEOUTS = TIMEOUTS.labels("handshake")
@@ -93,6 +97,11 @@ _COMMAND_NAMES = {socks5.CMD_CONNECT: "connect", socks5.CMD_BIND: "bind", socks5
 # Flush byte counters every this many bytes (and at close): per read, not per byte,
 # and not a lock per read either.
 _BYTES_FLUSH = 1 << 20
+
+# A timer this close to a phase's deadline counts as at it (uvloop's clock and timers tick in
+# milliseconds, and round a deadline up): not replaced for a deadline as good as its own, and
+# no second wake-up for what is left when it fires.
+_TIMER_SLACK = 0.005
 
 # Bytes read per receive on the relay. asyncio's and uvloop's own read size.
 READ_SIZE = 256 * 1024
@@ -217,10 +226,10 @@ class ClientProtocol(asyncio.BufferedProtocol):
 
     kind = "socks5"
     splice_bulk = True  # a bulk relay between two sockets may move to SpliceRelay
-    m_clients = CLIENTS
-    m_accepted = ACCEPTED
-    m_refused = REFUSED
-    m_refused_per_source = REFUSED_PER_SOURCE
+    m_clients = _CLIENTS
+    m_accepted = _ACCEPTED
+    m_refused = REFUSED.labels()
+    m_refused_per_source = REFUSED_PER_SOURCE.labels()
     m_handshake_timeouts = _HANDSHAKE_TIMEOUTS
     m_idle_timeouts = _IDLE_TIMEOUTS
     m_bytes_in = _BYTES_IN
@@ -237,7 +246,10 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self.udp: UdpAssociation | None = None
         self._counted = False
         self._source = ""  # the address counted in server.per_source
+        # One timer for every phase (handshake, dial, relay idle checks): see _arm
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0  # when the phase under way runs out (loop time)
+        self._dialing: tuple[str, int] | None = None  # host, port of the dial under way
         self._active = False  # any traffic since the last idle check
         self._client_eof = False
         self._upstream_eof = False
@@ -282,7 +294,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
             self.m_accepted.inc()
         self.m_clients.inc()
         transport.set_write_buffer_limits(high=srv.limits.socks5_write_high_water)
-        self._timer = self.loop.call_later(srv.limits.socks5_handshake_timeout, self._handshake_expired)
+        self._arm(srv.limits.socks5_handshake_timeout)
         if self.resume is not None:
             request, trailing = self.resume
             self.resume = None
@@ -301,9 +313,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
             else:
                 del srv.per_source[self._source]
             self.m_clients.dec()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._disarm()
         if self._connect_task is not None and not self._connect_task.done():
             self._connect_task.cancel()
         if self.upstream is not None:
@@ -364,9 +374,10 @@ class ClientProtocol(asyncio.BufferedProtocol):
         if self.state == _HANDSHAKE:
             self._handshake(data)
         elif self.state == _CONNECTING:
-            # Reading is paused while we dial; a read already delivered is kept
-            # and forwarded after the reply.
+            # Bytes the client sent behind its request before our reply: kept and forwarded
+            # after it, and reading stops until then (see hold_while_dialing).
             self.core.receive_data(data)
+            self.hold_while_dialing()
         elif self.state == _UDP:
             self._active = True  # the control connection carries nothing; ignore it
 
@@ -478,9 +489,6 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self.transport.close()
 
     def _request(self, request: socks5.Request) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         if request.command == socks5.CMD_BIND:
             self._reply_and_close(request, socks5.REP_COMMAND_NOT_SUPPORTED)
             return
@@ -489,28 +497,29 @@ class ClientProtocol(asyncio.BufferedProtocol):
             return
         assert self.transport is not None
         self.state = _CONNECTING
-        self.transport.pause_reading()  # bytes behind the request wait in the kernel
         if request.command == socks5.CMD_UDP_ASSOCIATE and self.server.hand_over is not None:
             self._hand_over(request)  # a worker: the node's process holds the UDP paths
             return
         if request.command == socks5.CMD_CONNECT:
-            self._connect_task = self.loop.create_task(self._connect(request))
+            # the dial's time limit is this connection's timer (the dialer's connect_timeout), not
+            # a second one inside the dial (Dialer.connect): one timer per connection
+            host = request.host  # the address as text, made once
+            self.start_dial(host, request.port, self._connect(request, host))
         else:
+            self._disarm()  # opening the UDP association is not timed; its idle checks are
             self._connect_task = self.loop.create_task(self._associate(request))
 
-    async def _connect(self, request: socks5.Request) -> None:
-        host, port = request.host, request.port
+    async def _connect(self, request: socks5.Request, host: str) -> None:
+        port = request.port
 
         try:
-            transport, _, bound = await self.server.dialer.connect(host, port, lambda: UpstreamProtocol(self))
+            transport, _, bound = await self.server.dialer.dial(host, port, lambda: UpstreamProtocol(self))
         except HandOver:
             if self.state == _CONNECTING:
                 self._hand_over(request)
             return
         except DialError as e:
-            rlog.debug(f"dial:{e.reply}", "socks5: %s for %s", e, peer_text(self.peer))
-            if self.state == _CONNECTING:
-                self._reply_and_close(request, e.reply)
+            self.dial_failed(e)
             return
         except Exception as e:  # never a traceback to the peer; reply and log
             log.warning("socks5: unexpected error connecting to %s:%d: %r", host, port, e)
@@ -519,12 +528,38 @@ class ClientProtocol(asyncio.BufferedProtocol):
             return
         finally:
             self._connect_task = None
+            self._dialing = None
         if self.state != _CONNECTING:  # the client left while we dialed
             transport.close()
             return
-        CONNECTS.labels("connect", "succeeded").inc()
+        _CONNECT_OK.inc()
         self.begin_relay(transport, socks5.build_reply(socks5.REP_SUCCEEDED, bound[0], bound[1]),
                          self.core.trailing_data())
+
+    def hold_while_dialing(self) -> None:
+        """A read arrived while dialing: what follows waits in the kernel until the reply
+        (begin_relay resumes), so a connection holds at most that one read. Reading is
+        stopped here, at the first such read, not when the dial starts: most clients send
+        nothing before the reply, and each stop and start is an epoll_ctl in the loop."""
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def start_dial(self, host: str, port: int, dial: Coroutine[Any, Any, None]) -> None:
+        """Run `dial` (a coroutine that calls dialer.dial for host:port and answers the client)
+        within the dialer's connect_timeout, kept by this connection's timer (`_arm`): one timer
+        per connection, not a second one inside the dial as Dialer.connect would make."""
+        self._dialing = (host, port)
+        self._arm(self.server.dialer.connect_timeout)
+        self._connect_task = self.loop.create_task(dial)
+
+    def dial_failed(self, e: DialError) -> None:
+        """The dial failed or timed out: the reply code for it, then close."""
+        rlog.debug(f"dial:{e.reply}", "socks5: %s for %s", e, peer_text(self.peer))
+        if self.state == _CONNECTING:
+            CONNECTS.labels("connect", socks5.REPLY_NAMES[e.reply]).inc()
+            assert self.transport is not None
+            self.transport.write(socks5.build_reply(e.reply))
+            self.transport.close()
 
     def _hand_over(self, request: socks5.Request) -> None:
         """A worker passes this connection on (its socket, request and unread bytes) and forgets
@@ -570,7 +605,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
                 return
         else:
             client.resume_reading()
-        self._timer = self.loop.call_later(self.server.limits.socks5_idle_timeout, self._idle_check)
+        self._arm(self.server.limits.socks5_idle_timeout)
 
     async def _associate(self, request: socks5.Request) -> None:
         assert self.transport is not None
@@ -595,14 +630,16 @@ class ClientProtocol(asyncio.BufferedProtocol):
             self.transport.close()
             return
         self.transport.resume_reading()
-        self._timer = self.loop.call_later(self.server.limits.socks5_idle_timeout, self._idle_check)
+        self._arm(self.server.limits.socks5_idle_timeout)
 
     # ----------------------------------------------------------------- upstream events
 
     def upstream_made(self, transport: asyncio.Transport) -> None:
         self.upstream = transport
-        with contextlib.suppress(AttributeError, NotImplementedError):
+        try:  # noqa: SIM105 (not contextlib.suppress: this runs once per connection)
             transport.set_write_buffer_limits(high=self.server.limits.socks5_write_high_water)
+        except (AttributeError, NotImplementedError):
+            pass
 
     def upstream_data(self, data: bytes) -> None:
         if self.state != _RELAY:
@@ -638,8 +675,54 @@ class ClientProtocol(asyncio.BufferedProtocol):
 
     # ----------------------------------------------------------------- timers
 
-    def _handshake_expired(self) -> None:
+    def _arm(self, seconds: float) -> None:
+        """The phase starting now (handshake, dial, relay idle period) runs out in `seconds`.
+
+        One timer handle serves a connection's every phase. It is replaced only when the new
+        deadline comes before it would fire; otherwise it stays, and when it fires early
+        (`_on_timer`) it sleeps again until the deadline. A short connection (handshake, dial,
+        a little relaying, close) so makes one timer where it made one per phase."""
+        loop = self.loop
+        when = loop.time() + seconds
+        self._deadline = when
+        timer = self._timer
+        if timer is None or timer.when() > when + _TIMER_SLACK:
+            if timer is not None:
+                timer.cancel()
+            self._timer = loop.call_at(when, self._on_timer)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
         self._timer = None
+        state = self.state
+        if state == _CLOSED:
+            return
+        left = self._deadline - self.loop.time()
+        if left > _TIMER_SLACK:  # armed for an earlier phase: this one runs out later
+            self._timer = self.loop.call_at(self._deadline, self._on_timer)
+            return
+        if state == _HANDSHAKE:
+            self._handshake_expired()
+        elif state == _CONNECTING:
+            self._dial_expired()
+        else:
+            self._idle_check()
+
+    def _dial_expired(self) -> None:
+        """The dial outlived the dialer's connect_timeout: it fails as the dialer's own limit
+        (Dialer.connect) fails it, with reply 0x06 (TTL expired)."""
+        target, task = self._dialing, self._connect_task
+        if target is None or task is None or task.done():
+            return  # not dialing (a UDP association opening)
+        task.cancel()
+        self.dial_failed(self.server.dialer.timed_out(*target))
+        self._dialing = None
+
+    def _handshake_expired(self) -> None:
         if self.state == _HANDSHAKE:
             self.m_handshake_timeouts.inc()
             rlog.debug(f"{self.kind}:handshake-timeout", "%s: handshake timeout for %s", self.kind,
@@ -649,12 +732,11 @@ class ClientProtocol(asyncio.BufferedProtocol):
     def _idle_check(self) -> None:
         # One timer per connection re-armed each period (not per read): a
         # connection closes after one to two idle periods without traffic.
-        self._timer = None
         if self.state in (_CLOSED, _HANDSHAKE):
             return
         if self._active or (self.udp is not None and self.udp.take_activity()):
             self._active = False
-            self._timer = self.loop.call_later(self.server.limits.socks5_idle_timeout, self._idle_check)
+            self._arm(self.server.limits.socks5_idle_timeout)
             return
         self.m_idle_timeouts.inc()
         rlog.debug(f"{self.kind}:idle-timeout", "%s: idle timeout for %s", self.kind, peer_text(self.peer))
@@ -700,9 +782,14 @@ class UpstreamProtocol(_UpstreamEvents, asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.client.upstream_made(transport)  # type: ignore[arg-type]
-        if transport.get_extra_info("socket") is not None:
-            with contextlib.suppress(NotImplementedError, AttributeError):
+        # A socket transport has a socket address (a mesh stream's is None). Asked by sockname,
+        # which uvloop keeps from the connect, not by "socket", which costs a getsockname call
+        # and an object per connection.
+        if transport.get_extra_info("sockname") is not None:
+            try:  # noqa: SIM105 (not contextlib.suppress: this runs once per connection)
                 transport.set_protocol(BufferedUpstream(self.client))
+            except (NotImplementedError, AttributeError):
+                pass
 
     def data_received(self, data: bytes) -> None:
         self.client.upstream_data(data)

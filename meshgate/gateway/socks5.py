@@ -122,6 +122,7 @@ def address_text(atyp: int, addr: bytes) -> str:
 # --------------------------------------------------------------------------- the state machine
 
 _GREETING, _AUTH, _REQUEST, _DONE, _FAILED = range(5)
+_NO_USERS: Mapping[bytes, bytes] = {}
 
 
 class ServerConnection:
@@ -135,7 +136,9 @@ class ServerConnection:
     __slots__ = ("_buf", "_out", "_state", "_users", "username")
 
     def __init__(self, users: Mapping[bytes, bytes] | None = None) -> None:
-        self._users = dict(users or {})
+        # not copied: one per connection, and the server replaces its users mapping on a reload
+        # rather than changing it, so a handshake under way keeps the users it started with
+        self._users = users if users is not None else _NO_USERS
         self._buf = bytearray()
         self._out = bytearray()
         self._state = _GREETING

@@ -64,7 +64,7 @@ class ParentRoutes:
         self._waiting[qid] = fut
         try:
             self.writer.write(frame(b"Q", QUESTION.pack(qid, port) + host.encode("ascii", "replace")))
-            return await fut  # the dialer's connect timeout bounds the wait
+            return await fut  # the connect timeout (the client's timer, or Dialer.connect) bounds the wait
         finally:
             self._waiting.pop(qid, None)
 
@@ -94,12 +94,12 @@ class WorkerDialer(Dialer):
         self.direct_literals = direct_literals
         self.counted = {v: _ROUTED.labels(str(index), name) for v, name in _ANSWER_NAMES.items()}
 
-    async def _connect(
-        self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
-    ) -> tuple[asyncio.Transport, asyncio.Protocol, tuple[str, int]]:
+    async def dial(
+        self, host: str, port: int, protocol_factory: Callable[[], asyncio.BaseProtocol]
+    ) -> tuple[asyncio.Transport, asyncio.BaseProtocol, tuple[str, int]]:
         if self.direct_literals and _is_ip_literal(host):
             self.counted[LOCAL].inc()
-            return await super()._connect(host, port, protocol_factory)
+            return await super().dial(host, port, protocol_factory)
         verdict, rest = await self.routes.ask(host, port)
         if verdict in self.counted:
             self.counted[verdict].inc()
@@ -114,7 +114,7 @@ class WorkerDialer(Dialer):
             raise DialError(replies.GENERAL_FAILURE, f"bad route answer for {host}") from None
         token = _ANSWERED.set(addrs)
         try:
-            return await super()._connect(host, port, protocol_factory)
+            return await super().dial(host, port, protocol_factory)
         finally:
             _ANSWERED.reset(token)
 

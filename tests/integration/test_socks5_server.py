@@ -525,6 +525,96 @@ async def test_idle_timeout_closes_quiet_relay() -> None:
         w.close()
 
 
+async def test_reading_stops_while_dialing_only_once_the_client_sends_ahead_of_the_reply() -> None:
+    """A client that waits for the reply (most do) is never paused and resumed around the dial
+    (each is an epoll_ctl); one that sends early has that read kept and reading stopped until
+    the reply, and the bytes reach the destination after it."""
+    gate = asyncio.Event()
+
+    class Resolver:
+        async def resolve_host(self, name: str) -> list[str]:
+            await gate.wait()
+            return ["127.0.0.1"]
+
+    async with portal(resolver=Resolver()) as p, echo_server() as (eport, _):
+        r, w = await asyncio.open_connection("127.0.0.1", p.port)
+        w.write(b"\x05\x01\x00" + request(1, 3, b"gated.test", eport))
+        assert await r.readexactly(2) == b"\x05\x00"
+        await async_wait_until(lambda: any(c._connect_task is not None for c in p.clients), what="dialing")
+        (client,) = p.clients
+        assert client.transport is not None
+        assert client.transport.is_reading()
+        w.write(b"early")
+        await async_wait_until(lambda: not client.transport.is_reading(),  # type: ignore[union-attr]
+                               what="reading stopped")
+        gate.set()
+        rep, _, _, _ = await asyncio.wait_for(read_reply(r), 10)
+        assert rep == 0
+        assert await asyncio.wait_for(r.readexactly(5), 10) == b"early"
+        assert client.transport.is_reading()
+        w.close()
+
+
+class TimerCount:
+    """Stands in for a client's event loop and counts the timers armed on it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.armed = 0
+
+    def call_at(self, when: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
+        self.armed += 1
+        return self._loop.call_at(when, callback, *args)
+
+    def call_later(self, delay: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
+        self.armed += 1
+        return self._loop.call_later(delay, callback, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
+
+
+async def test_a_short_connection_arms_one_timer_for_all_its_phases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handshake, dial and relay share one timer handle: a connection that is over before its
+    handshake timeout would have fired arms exactly one (it was one per phase)."""
+    counts: list[TimerCount] = []
+    init = ClientProtocol.__init__
+
+    def counted_init(self: ClientProtocol, server: Any) -> None:
+        init(self, server)
+        self.loop = TimerCount(self.loop)  # type: ignore[assignment]
+        counts.append(self.loop)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ClientProtocol, "__init__", counted_init)
+    async with portal() as p, echo_server() as (eport, _):
+        r, w, (rep, _, _, _) = await raw_socks(p.port, request(1, 1, b"\x7f\0\0\1", eport))
+        assert rep == 0
+        w.write(b"ping")
+        assert await r.readexactly(4) == b"ping"
+        w.close()
+        await async_wait_until(lambda: not p.clients, what="client gone")
+    assert [c.armed for c in counts] == [1]
+
+
+async def test_a_dial_slower_than_the_handshake_timeout_but_within_the_connect_timeout_connects() -> None:
+    """The one timer, armed for the handshake, fires while the dial is under way: it is the
+    connect timeout that decides, so the connection goes through (no 0x06, no handshake timeout)."""
+    class Resolver:
+        async def resolve_host(self, name: str) -> list[str]:
+            await asyncio.sleep(0.5)  # the name resolves after the handshake timeout
+            return ["127.0.0.1"]
+
+    async with portal(resolver=Resolver(), socks5_handshake_timeout=0.2,
+                      socks5_connect_timeout=10.0) as p, echo_server() as (eport, _):
+        handshake = Metric("meshgate_socks5_timeouts_total", "handshake")
+        r, w, (rep, _, _, _) = await raw_socks(p.port, request(1, 3, b"late.test", eport))
+        assert rep == 0
+        w.write(b"ping")
+        assert await r.readexactly(4) == b"ping"
+        assert handshake.delta == 0
+        w.close()
+
+
 async def test_max_clients_refuses_beyond_the_limit() -> None:
     async with portal(max_clients=2) as p, echo_server() as (eport, _):
         refused = Metric("meshgate_socks5_clients_refused_total")
