@@ -14,7 +14,9 @@ Memory is fixed at construction and bounded: `count` slots of `slot_size` bytes 
 anonymous mmap (pages the kernel never wrote stay unallocated, so RSS is what datagrams
 touched), plus the headers. A reply is written into the slot of its position in the send
 vector, over a datagram that `recv()` has already copied out, so replies need no memory of
-their own.
+their own. A reply that repeats bytes the caller keeps (a `Pinned` buffer: a preformed DNS
+answer) is not copied at all: its send header points at the datagram's 2-byte ID, copied to
+the header's own place, and at the pinned bytes, which the batch holds until sent.
 
 Only this module knows the C layouts (x86-64 and aarch64 Linux; musl's int+padding fields read
 the same for the small values written here). It imports nothing from meshgate.
@@ -36,8 +38,8 @@ _IOVEC = 16
 _NAME = 32  # room for a sockaddr_in6 (28 bytes) per slot, 8-aligned
 # uint32 indexes within one mmsghdr (stride 16): msg_len at byte 56
 _U32_LEN, _U32_STRIDE = 14, 16
-# uint64 indexes within one iovec (stride 2): iov_len at byte 8
-_U64_IOVLEN = 1
+# a send header's two iovecs as uint64s (stride 4): the first's base and length, the second's
+_U64_BASE0, _U64_LEN0, _U64_BASE1, _U64_LEN1 = 0, 1, 2, 3
 
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 _NO_FAILURES: list[tuple[Any, OSError]] = []  # shared: send() returns a new list only on failure
@@ -56,6 +58,19 @@ class _Msghdr(ctypes.Structure):
 
 class _Mmsghdr(ctypes.Structure):
     _fields_ = [("msg_hdr", _Msghdr), ("msg_len", ctypes.c_uint)]
+
+
+class Pinned:
+    """Bytes at an address that stays put: a bytearray that cannot be resized or freed while this
+    lives, so a send header can point at it. `data` may be changed in place (same length)."""
+
+    __slots__ = ("_pin", "address", "data", "size")
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self.data = bytearray(data)
+        self.size = len(self.data)
+        self._pin = ctypes.c_char.from_buffer(self.data) if self.size else None
+        self.address = ctypes.addressof(self._pin) if self._pin is not None else 0
 
 
 def _libc_calls() -> tuple[Any, Any] | None:
@@ -112,34 +127,46 @@ class DatagramBatch:
         self.family = sock.family
         self.count = count
         self.slot_size = slot_size
+        stride = (slot_size + 7) & ~7  # slots start 8-aligned, so a datagram's ID reads as one u16
+        self._stride = stride
         # the socket's address length: every header has room for it, the kernel writes the same
         # length back into a receive header (one family per socket), and a reply carries it
         namelen = 16 if sock.family == socket.AF_INET else 28
-        self._data = mmap.mmap(-1, count * slot_size)
+        self._data = mmap.mmap(-1, count * stride)
         self._names = bytearray(count * _NAME)
+        self._ids = bytearray(2 * count)  # a pinned reply's ID, at its send position
         self._recv = (_Mmsghdr * count)()
         self._send = (_Mmsghdr * count)()
         self._recv_iov = (_Iovec * count)()
-        self._send_iov = (_Iovec * count)()
-        # held: while these views live the mmap cannot be closed nor the bytearray resized, so
+        self._send_iov = (_Iovec * (2 * count))()  # two per reply: its bytes, or ID + pinned bytes
+        # held: while these views live the mmap cannot be closed nor the bytearrays resized, so
         # the addresses the kernel is given stay valid
         self._pins: tuple[ctypes.c_char, ...] = (ctypes.c_char.from_buffer(self._data),
-                                                 ctypes.c_char.from_buffer(self._names))
-        data_at, names_at = (ctypes.addressof(pin) for pin in self._pins)
+                                                 ctypes.c_char.from_buffer(self._names),
+                                                 ctypes.c_char.from_buffer(self._ids))
+        data_at, names_at, ids_at = (ctypes.addressof(pin) for pin in self._pins)
         for i in range(count):
-            for hdrs, iov, size in ((self._recv, self._recv_iov, slot_size), (self._send, self._send_iov, 0)):
-                iov[i].iov_base = data_at + i * slot_size
-                iov[i].iov_len = size
-                h = hdrs[i].msg_hdr
+            iov = self._recv_iov[i]
+            iov.iov_base = data_at + i * stride
+            iov.iov_len = slot_size
+            for h, iov_at, iovlen in ((self._recv[i].msg_hdr, ctypes.addressof(iov), 1),
+                                      (self._send[i].msg_hdr, ctypes.addressof(self._send_iov[2 * i]), 2)):
                 h.msg_name = names_at + i * _NAME
                 h.msg_namelen = namelen
-                h.msg_iov = ctypes.addressof(iov[i])
-                h.msg_iovlen = 1
+                h.msg_iov = iov_at
+                h.msg_iovlen = iovlen
         self._recv_at = ctypes.addressof(self._recv)
         self._send_at = ctypes.addressof(self._send)
         self._recv_u32 = memoryview(self._recv).cast("B").cast("I")  # type: ignore[arg-type]
         self._send_iov_u64 = memoryview(self._send_iov).cast("B").cast("Q")  # type: ignore[arg-type]
-        self._offsets = range(0, count * slot_size, slot_size)
+        self._data_u16 = memoryview(self._data).cast("H")
+        self._ids_u16 = memoryview(self._ids).cast("H")
+        self._slot_at = [data_at + i * stride for i in range(count)]
+        self._id_at = [ids_at + 2 * j for j in range(count)]
+        # what pinned replies point at, kept until the position is used again (so past send())
+        self._held: list[Pinned | None] = [None] * count
+        self._offsets = range(0, count * stride, stride)
+        self._lens: list[int] = []
         self.received = 0  # datagrams in the last recv()
         self.queued = 0  # replies waiting for send()
 
@@ -151,10 +178,11 @@ class DatagramBatch:
             return None
         return cls(sock, count, slot_size)
 
-    def recv(self) -> list[bytes]:
+    def recv(self, skip: int = 0) -> list[bytes]:
         """The datagrams waiting on the socket, at most `count`, read with one system call
-        (empty: none waiting). An error the socket reports (an ICMP error from an earlier
-        send) raises OSError, as recvfrom does. Clears the replies of the last batch."""
+        (empty: none waiting), each without its first `skip` bytes (`datagram(i)` gives it
+        whole). An error the socket reports (an ICMP error from an earlier send) raises
+        OSError, as recvfrom does. Clears the replies of the last batch."""
         self.queued = 0
         n = self._recvmmsg(self.fd, self._recv_at, self.count, 0, None)
         if n <= 0:
@@ -166,13 +194,27 @@ class DatagramBatch:
                 return []
             raise OSError(err, os.strerror(err))
         self.received = n
-        lens = self._recv_u32[_U32_LEN:n * _U32_STRIDE:_U32_STRIDE].tolist()
+        self._lens = lens = self._recv_u32[_U32_LEN:n * _U32_STRIDE:_U32_STRIDE].tolist()
         data = self._data
-        return [data[o:o + k] for o, k in zip(self._offsets, lens, strict=False)]
+        return [data[o + skip:o + k] for o, k in zip(self._offsets, lens, strict=False)]
+
+    def datagram(self, i: int) -> bytes:
+        """Datagram `i` of the last recv(), whole."""
+        o = i * self._stride
+        return self._data[o:o + self._lens[i]]
 
     def address(self, i: int) -> tuple[Any, ...]:
         """The sender of datagram `i` of the last recv(), as recvfrom gives it."""
         return _address(self.family, memoryview(self._names)[i * _NAME:(i + 1) * _NAME])
+
+    def _header(self, i: int) -> int:
+        """The send position of a reply to datagram `i`, its sender's address moved there."""
+        j = self.queued
+        if j != i:  # this reply's header is slot j's: move the sender's address there
+            names = self._names
+            names[j * _NAME:(j + 1) * _NAME] = names[i * _NAME:(i + 1) * _NAME]
+        self.queued = j + 1
+        return j
 
     def reply(self, i: int, data: bytes | bytearray | memoryview) -> bool:
         """Queue `data` for the sender of datagram `i` of the last recv() (replies queued
@@ -180,15 +222,28 @@ class DatagramBatch:
         n = len(data)
         if n > self.slot_size:
             return False
-        j = self.queued
-        if j != i:  # this reply's header is slot j's: move the sender's address there
-            names = self._names
-            names[j * _NAME:(j + 1) * _NAME] = names[i * _NAME:(i + 1) * _NAME]
-        at = j * self.slot_size
+        j = self._header(i)
+        at = j * self._stride
         self._data[at:at + n] = data
-        self._send_iov_u64[j * 2 + _U64_IOVLEN] = n
-        self.queued = j + 1
+        v = self._send_iov_u64
+        k = 4 * j
+        v[k + _U64_BASE0] = self._slot_at[j]
+        v[k + _U64_LEN0] = n
+        v[k + _U64_LEN1] = 0
         return True
+
+    def reply_pinned(self, i: int, tail: Pinned) -> None:
+        """Queue datagram `i`'s own first two bytes (a DNS ID) followed by `tail`, for its
+        sender, without copying `tail`: the batch holds it until send()."""
+        j = self._header(i)
+        self._ids_u16[j] = self._data_u16[i * self._stride >> 1]
+        v = self._send_iov_u64
+        k = 4 * j
+        v[k + _U64_BASE0] = self._id_at[j]
+        v[k + _U64_LEN0] = 2
+        v[k + _U64_BASE1] = tail.address
+        v[k + _U64_LEN1] = tail.size
+        self._held[j] = tail
 
     def send(self) -> list[tuple[Any, OSError]]:
         """Send the queued replies, one system call for all unless one fails: the kernel then
@@ -222,7 +277,8 @@ class DatagramBatch:
 
     def close(self) -> None:
         """Free the slots (the socket is the caller's); the batch is not used after this."""
-        self._recv_u32.release()
-        self._send_iov_u64.release()
+        for view in (self._recv_u32, self._send_iov_u64, self._data_u16, self._ids_u16):
+            view.release()
+        self._held = []
         self._pins = ()
         self._data.close()

@@ -143,7 +143,7 @@ class UdpDnsServer:
         assert batch is not None
         for _ in range(READ_BATCH):
             try:
-                datagrams = batch.recv()
+                keys = batch.recv(2)  # each query after its ID: the table's key
                 break
             except OSError:  # an ICMP error reported on the socket (not a datagram)
                 self.stats.error("icmp")
@@ -151,23 +151,21 @@ class UdpDnsServer:
             return
         fast = self.fast if self.pipeline.query_log is None else None  # the log sees every question
         limiter = self.limiter
-        reply = batch.reply
         now = self.clock()
-        for i, data in enumerate(datagrams):
+        for i, key in enumerate(keys):
             if fast is not None:
-                out = fast.answer(data, now)
-                if out is not None:
+                hit = fast.entry(key, now)
+                if hit is not None:
                     if limiter is not None:
                         addr = batch.address(i)
                         verdict = limiter.check(addr, now)
                         if verdict:
                             fast.unanswered()
-                            self._limited(data, addr, verdict, i)
+                            self._limited(batch.datagram(i), addr, verdict, i)
                             continue
-                    if not reply(i, out):  # never: a slot holds the largest datagram
-                        self._sendto(out, batch.address(i))
+                    batch.reply_pinned(i, hit.tail)  # the query's ID and the stored bytes, not copied
                     continue
-            self._general(data, batch.address(i), now, i)
+            self._general(batch.datagram(i), batch.address(i), now, i)
             if self.closed:  # stopped meanwhile: the socket is gone, and the queued answers with it
                 return
         for addr, e in batch.send():

@@ -33,6 +33,7 @@ from meshgate.dns import wire
 from meshgate.dns.resolver import _NOT_LOCAL, Pipeline, _Blocked
 from meshgate.dns.stats import ListenerStats
 from meshgate.dns.wire import Answer, Query
+from meshgate.udpbatch import Pinned
 
 _U32 = struct.Struct(">I")
 
@@ -40,9 +41,11 @@ _U32 = struct.Struct(">I")
 class _Entry:
     __slots__ = ("age", "ans", "key", "offsets", "rcode", "source", "tail")
 
-    def __init__(self, tail: bytes, age: int, ans: Answer, key: tuple[bytes, int, int], source: Answer,
+    def __init__(self, tail: Pinned, age: int, ans: Answer, key: tuple[bytes, int, int], source: Answer,
                  offsets: tuple[int, ...]) -> None:
-        self.tail = tail  # the packed answer after its 2-byte ID
+        # the packed answer after its 2-byte ID, where a batched UDP send can point at it (its
+        # TTLs are patched in place: a batch's answers share one `now`, so one age)
+        self.tail = tail
         self.age = age  # the age its TTLs carry
         self.ans = ans
         self.key = key
@@ -76,7 +79,13 @@ class PreformedAnswers:
     def answer(self, data: bytes, now: float) -> bytes | None:
         """The answer to `data` if it repeats a learned query and is still what the general path
         would send; None: ask the general path."""
-        e = self._table.get(data[2:])
+        e = self.entry(data[2:], now)
+        return None if e is None else data[:2] + e.tail.data
+
+    def entry(self, key: bytes, now: float) -> _Entry | None:
+        """`answer()` for a query's bytes after its ID, as the stored entry: its `tail` goes
+        behind the query's ID. Counted as a hit; None: ask the general path."""
+        e = self._table.get(key)
         if e is None:
             return None
         p = self.pipeline
@@ -92,10 +101,9 @@ class PreformedAnswers:
         if ans.aging:
             age = int(now - ans.stored)
             if age != e.age and age > 0:
-                patched = bytearray(e.tail)
+                tail = e.tail.data
                 for off, ttl in zip(e.offsets, ans.ttls, strict=False):
-                    _U32.pack_into(patched, off - 2, ttl - age if ttl > age else 0)
-                e.tail = bytes(patched)
+                    _U32.pack_into(tail, off - 2, ttl - age if ttl > age else 0)
                 e.age = age
             if not self.udp:  # what pack_answer returns
                 self.max_age = ans.ttl if age <= 0 else max(ans.ttl - age, 0)
@@ -106,7 +114,7 @@ class PreformedAnswers:
             self.other_hits += 1
             self.other_rcodes[e.rcode] = self.other_rcodes.get(e.rcode, 0) + 1
         self._last = e
-        return data[:2] + e.tail
+        return e
 
     def unanswered(self) -> None:
         """The answer just given is not sent after all (the client is over its rate limit, which
@@ -152,7 +160,7 @@ class PreformedAnswers:
         table = self._table
         if len(table) >= self.size:
             table.clear()
-        table[tail] = _Entry(bytes(packed[2:]), max(age, 0), ans, key, source, offsets)
+        table[tail] = _Entry(Pinned(packed[2:]), max(age, 0), ans, key, source, offsets)
 
     def flush_counts(self, stats: ListenerStats) -> None:
         """Add the hits since the last call to the listener's and the cache's counters."""

@@ -5,6 +5,7 @@ including a reply the kernel refuses in the middle of the batch."""
 from __future__ import annotations
 
 import errno
+import gc
 import socket
 import struct
 from collections.abc import Iterator
@@ -106,6 +107,46 @@ def test_replies_go_to_each_datagrams_sender(family: tuple[int, str], server: so
         with pytest.raises(TimeoutError):  # and nothing else
             c.recv(100)
         c.close()
+    batch.close()
+
+
+def test_pinned_replies_carry_their_datagrams_id_and_bytes_not_copied(
+        family: tuple[int, str], server: socket.socket) -> None:
+    """Pinned replies (a datagram's first two bytes, then bytes the caller keeps) mixed with
+    copied ones: each sender gets its own ID and the pinned bytes as they were when queued, also
+    when a copied reply is written over the slot the pinned reply's datagram was read into, and
+    when the caller has let go of the pinned buffer before the send."""
+    batch = _open(server, 16)
+    (c,) = _clients(family, 1)
+    for k in range(6):
+        c.sendto(bytes([0xA0 + k, k]) + b"rest%d" % k, server.getsockname())
+    keys = batch.recv(2)
+    assert keys == [b"rest%d" % k for k in range(6)]  # each after its first two bytes
+    assert batch.datagram(3) == bytes([0xA3, 3]) + b"rest3"  # and whole
+    kept = udpbatch.Pinned(b"-kept")
+    # datagram 0 has no reply, so each reply's send position is the slot before its datagram's:
+    # 1 pinned (position 0), 2 copied over slot 1 (position 1), 3 pinned (2), 4 copied over slot 3
+    batch.reply_pinned(1, kept)
+    assert batch.reply(2, b"copied over slot one, which held the first pinned reply's ID")
+    batch.reply_pinned(3, udpbatch.Pinned(b"-dropped by the caller"))  # only the batch holds it
+    gc.collect()
+    assert batch.reply(4, b"x" * 300)
+    batch.reply_pinned(5, kept)
+    assert batch.send() == []
+    assert [c.recv(1000) for _ in range(5)] == [
+        bytes([0xA1, 1]) + b"-kept",
+        b"copied over slot one, which held the first pinned reply's ID",
+        bytes([0xA3, 3]) + b"-dropped by the caller",
+        b"x" * 300,
+        bytes([0xA5, 5]) + b"-kept",
+    ]
+    # the next batch's copied reply to datagram 0 takes position 0 again: no pinned bytes behind it
+    c.sendto(b"\x00\x01again", server.getsockname())
+    assert batch.recv() == [b"\x00\x01again"]
+    assert batch.reply(0, b"plain")
+    assert batch.send() == []
+    assert c.recv(1000) == b"plain"
+    c.close()
     batch.close()
 
 
