@@ -157,8 +157,8 @@ class DatagramBatch:
                 h.msg_iovlen = iovlen
         self._recv_at = ctypes.addressof(self._recv)
         self._send_at = ctypes.addressof(self._send)
-        self._recv_u32 = memoryview(self._recv).cast("B").cast("I")  # type: ignore[arg-type]
-        self._send_iov_u64 = memoryview(self._send_iov).cast("B").cast("Q")  # type: ignore[arg-type]
+        self._recv_u32 = memoryview(self._recv).cast("B").cast("I")
+        self._send_iov_u64 = memoryview(self._send_iov).cast("B").cast("Q")
         self._data_u16 = memoryview(self._data).cast("H")
         self._ids_u16 = memoryview(self._ids).cast("H")
         self._slot_at = [data_at + i * stride for i in range(count)]

@@ -163,7 +163,7 @@ class Formatter:
 
 
 def _quote(text: str) -> str:
-    return json.encoder.encode_basestring_ascii(text)  # type: ignore[no-any-return]
+    return json.encoder.encode_basestring_ascii(text)
 
 
 class RotatingFile:

@@ -167,7 +167,7 @@ class Dialer:
             raise DialError(replies.for_exception(e), f"connect to {host}:{port} failed: {reason}") from None
         sock_name = transport.get_extra_info("sockname")
         bound = (str(sock_name[0]), int(sock_name[1])) if sock_name else ("0.0.0.0", 0)
-        return transport, protocol, bound  # type: ignore[return-value]
+        return transport, protocol, bound
 
     async def _first_connected(self, addrs: list[str], port: int) -> socket.socket:
         """Happy-eyeballs-style (RFC 8305, simplified): start on the first address,

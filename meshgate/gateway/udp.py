@@ -248,8 +248,8 @@ class UdpAssociation:
                 (_DROP_NOT_ALLOWED if addrs else _DROP_RESOLVE_FAILED).inc(len(queue))
             return
         ip = allowed[0]
-        if ip.version == 6 and ip.ipv4_mapped is not None:  # type: ignore[union-attr]
-            ip = ip.ipv4_mapped  # type: ignore[union-attr]
+        if ip.version == 6 and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
         entry = self.nat.add(key, (str(ip), key[2]), ip.version, self.loop.time())
         self._count_evictions()
         assert self.egress is not None

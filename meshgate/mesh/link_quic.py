@@ -42,7 +42,7 @@ class QuicStreamTransport(asyncio.Transport):
             return paths[0].addr if paths else self._proto.peername
         return default
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:  # type: ignore[override]
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         self.writelines((data,))
 
     def writelines(self, list_of_data: Any) -> None:
@@ -90,7 +90,7 @@ class MeshQuicProtocol(QuicConnectionProtocol):
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)  # type: ignore[arg-type]
+        super().connection_made(transport)
         self.peername = transport.get_extra_info("peername")
 
     def open_link(self, factory: ProtocolFactory) -> asyncio.Protocol:

@@ -202,7 +202,7 @@ class MeshStream(asyncio.Transport):
     def get_write_buffer_limits(self) -> tuple[int, int]:
         return self._low, self._high
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:  # type: ignore[override]
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._closing or self.closed or self.fin_sent or self._fin_pending:
             return  # like asyncio after close: silently ignored
         if not data:
