@@ -176,22 +176,24 @@ def _expected(
     return out
 
 
-def _random_graph(rng: random.Random, n: int, extra: int) -> dict[tuple[int, int], int]:
+def _random_graph(rng: random.Random, n: int, extra: int, latencies: int = 50) -> dict[tuple[int, int], int]:
     edges: dict[tuple[int, int], int] = {}
     for i in range(1, n):  # a random spanning tree keeps it connected
         j = rng.randrange(i)
-        edges[(j, i)] = rng.randint(1, 50) * 1000
+        edges[(j, i)] = rng.randint(1, latencies) * 1000
     for _ in range(extra):
         a, b = rng.sample(range(n), 2)
-        edges.setdefault((min(a, b), max(a, b)), rng.randint(1, 50) * 1000)
+        edges.setdefault((min(a, b), max(a, b)), rng.randint(1, latencies) * 1000)
     return edges
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_50_node_random_graph_matches_independent_shortest_paths(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "latencies"), [(1, 50), (2, 50), (3, 50), (4, 2), (5, 1)])
+def test_50_node_random_graph_matches_independent_shortest_paths(seed: int, latencies: int) -> None:
+    """Both builds (the hop layers, the latency heap) against Bellman-Ford; with one or two
+    latency values most paths tie and the lowest next hop decides."""
     rng = random.Random(seed)
     n = 50
-    edges = _random_graph(rng, n, 40)
+    edges = _random_graph(rng, n, 40, latencies)
     sim = Sim(edges, n)
     sim.run()
     for src, t in sim.tables.items():
