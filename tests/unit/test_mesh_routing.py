@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshgate.mesh import routing
 from meshgate.mesh.routing import (
     Record,
     RecordError,
@@ -211,6 +212,31 @@ def test_triangle_policies_disagree() -> None:
     t = sim.tables[0]
     assert t.hop_paths[1].next_hop == 1 and t.hop_paths[1].hops == 1
     assert t.lat_paths[1].next_hop == 2 and t.lat_paths[1].hops == 2 and t.lat_paths[1].latency_us == 10_000
+
+
+def test_latency_paths_are_walked_only_when_asked_for_and_are_the_builds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A build walks the least-hop paths only; the least-latency walk waits for the first
+    caller after it (while a mesh forms, nobody asks between most builds), once per build,
+    over the graph of that build even if records changed since."""
+    walks: list[int] = []
+    walk = routing._least_latency
+
+    def counted(adj: dict[int, list[tuple[int, int]]], src: int) -> dict[int, routing.PathInfo]:
+        walks.append(src)
+        return walk(adj, src)
+
+    monkeypatch.setattr(routing, "_least_latency", counted)
+    sim = Sim({(0, 1): 80_000, (0, 2): 5_000, (1, 2): 5_000}, 3)
+    sim.run()
+    t = sim.tables[0]
+    t.dirty = True
+    assert t.build() and walks == []
+    t.receive_records(1, [rec(1, 9, neighbours=((0, 80_000),))], 0)  # 1-2 gone, not built yet
+    assert t.lat_paths[1].next_hop == 2 and t.lat_paths[1].latency_us == 10_000  # the build's graph
+    assert t.lat_paths[2].hops == 1 and walks == [0]  # walked once
+    assert t.build() and t.lat_paths[1].next_hop == 1 and walks == [0, 0]
 
 
 def test_anti_entropy_sends_only_unacked_and_resyncs_on_link_up() -> None:
