@@ -49,7 +49,11 @@ UNKNOWN_LATENCY_US = 500_000  # an edge whose latency was never measured costs 5
 # mesh forming), and sending again only adds copies it must read. So nothing is sent again while
 # acknowledgements of earlier sends keep coming back within the resend interval; past it, the
 # interval doubles with every resend, up to this, until the neighbour has acknowledged everything
-# sent. What a closed link may have lost is sent again at once (link_lost).
+# sent. Nor is anything sent again sooner than twice the longest an acknowledgement on that link
+# took (a neighbour busy once is busy again while the mesh forms). What a closed link may have lost
+# is sent again at once (link_lost); a live link loses a frame only when its receiver drops it as
+# forged (a byte pipe tampered with): the resend is the net for that. A udp:// link retransmits
+# itself and closes when a queue overflows; a restarted neighbour comes up anew (neighbour_up).
 RESEND_MAX = 48.0
 
 _HEAD = struct.Struct("!IIQBB")  # origin, session, version, flags, name length
@@ -319,6 +323,7 @@ class _NeighbourSync:
     pending: set[int] = field(default_factory=set)  # origins changed since we last sent them
     resend: float = 0.0  # this neighbour's resend interval (resend_after, backed off); 0: not yet set
     heard: float = float("-inf")  # when an acknowledgement last cleared a send
+    slowest: float = 0.0  # the longest an acknowledgement of a send took since the link came up
 
 
 class RouteTable:
@@ -553,6 +558,7 @@ class RouteTable:
         if sync is None:
             return
         progress = False
+        oldest = now
         for origin, version in acks:
             if sync.acked.get(origin, -1) < version:
                 sync.acked[origin] = version
@@ -560,8 +566,10 @@ class RouteTable:
             if sent is not None and sent[0] <= version:
                 del sync.sent[origin]
                 progress = True
+                oldest = min(oldest, sent[1])
         if progress:
             sync.heard = now
+            sync.slowest = min(RESEND_MAX / 2, max(sync.slowest, now - oldest))
         if not sync.sent:
             sync.resend = self.resend_after  # it caught up: its backlog, not its link, was slow
 
@@ -570,7 +578,11 @@ class RouteTable:
         sync = self._sync.get(nid)
         if sync is None:
             return []
-        wait = sync.resend = sync.resend or self.resend_after
+        sync.resend = sync.resend or self.resend_after
+        # never sooner than twice the slowest acknowledgement this link has seen: a neighbour
+        # that took 10 s to read its way through a flood once will again, and a resend would
+        # only be one more copy behind the rest (at 1,000 nodes half the records a node read)
+        wait = max(sync.resend, 2 * sync.slowest)
         # only what changed since the last call, plus unacknowledged sends past their time
         # (no scan of the whole table per neighbour per tick). `sent` is in the order of the
         # sends (each send moves its origin to the end), so the scan stops at the first one
