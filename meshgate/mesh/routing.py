@@ -161,10 +161,10 @@ def decode_record(data: bytes | memoryview, pos: int = 0) -> tuple[Record, int]:
         pos += n
         ipv4 = ipv6 = None
         if flags & _F_V4:
-            ipv4 = ipaddress.IPv4Interface((bytes(data[pos : pos + 4]), data[pos + 4]))
+            ipv4 = _ipv4_interface(bytes(data[pos : pos + 4]), data[pos + 4])
             pos += 5
         if flags & _F_V6:
-            ipv6 = ipaddress.IPv6Interface((bytes(data[pos : pos + 16]), data[pos + 16]))
+            ipv6 = _ipv6_interface(bytes(data[pos : pos + 16]), data[pos + 16])
             pos += 17
         cidrs: list[tuple[IPNetwork, bool]] = []
         for _ in range(data[pos]):
@@ -218,6 +218,19 @@ def decode_record(data: bytes | memoryview, pos: int = 0) -> tuple[Record, int]:
                tuple(sorted(neighbours)), key, cert, signature, tuple(dns), bool(flags & _F_PROCESS)),
         pos,
     )
+
+
+# An interface object costs ~20 µs to make (ipaddress builds and checks its network too), a
+# fifth of a record's signature check, and every version and copy of an origin carries the same
+# one: made once per value. Bounded like the table; the objects are immutable values.
+@functools.lru_cache(maxsize=4096)
+def _ipv4_interface(raw: bytes, prefixlen: int) -> ipaddress.IPv4Interface:
+    return ipaddress.IPv4Interface((raw, prefixlen))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ipv6_interface(raw: bytes, prefixlen: int) -> ipaddress.IPv6Interface:
+    return ipaddress.IPv6Interface((raw, prefixlen))
 
 
 def _dns_suffix(raw: bytes) -> str:

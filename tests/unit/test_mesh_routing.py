@@ -395,3 +395,19 @@ def test_the_reads_process_flag_round_trips_and_is_signed() -> None:
     (back,) = decode_records(encode_records([plain], 1 << 16)[0])
     assert not back.reads_process
     assert rec.signed_part != plain.signed_part  # a relay cannot set or clear it unnoticed
+
+
+def test_decoding_makes_one_interface_object_per_address_and_bad_prefixes_still_fail() -> None:
+    """Every version and copy of an origin carries the same virtual IPs: decoding makes each
+    interface once (~20 µs each, a fifth of a record's signature check). A prefix out of range
+    is still a RecordError, every time (an exception is not remembered)."""
+    a = rec(7, 1, ipv4=ipaddress.IPv4Interface("10.7.0.7/16"), ipv6=ipaddress.IPv6Interface("fd00::7/64"))
+    b = rec(7, 2, ipv4=ipaddress.IPv4Interface("10.7.0.7/16"), ipv6=ipaddress.IPv6Interface("fd00::7/64"))
+    da, db = (decode_records(encode_records([r], 1 << 16)[0])[0] for r in (a, b))
+    assert da == a and db == b
+    assert da.ipv4 is db.ipv4 and da.ipv6 is db.ipv6
+    bad = bytearray(rec(8, ipv4=ipaddress.IPv4Interface("10.8.0.8/16")).encode())
+    bad[routing._HEAD.size + len("n8") + 4] = 33  # the IPv4 prefix length
+    for _ in range(2):
+        with pytest.raises(RecordError):
+            routing.decode_one(bytes(bad))
