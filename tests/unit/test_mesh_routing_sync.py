@@ -64,12 +64,32 @@ def test_a_neighbour_slow_to_acknowledge_is_sent_again_ever_later_until_it_catch
     t.receive_acks(1, [(0, 1)], 200.0)
     assert t.records_to_send(1, 200.0 + 47.5) == []
     assert [r.origin for r in t.records_to_send(1, 248.0)] == [3]
-    # once all is acknowledged it is back at resend_after
+    # once all is acknowledged it is back at resend_after, but never under twice the slowest
+    # acknowledgement the link has seen: 11 s (sent at 189, acknowledged at 200)
     t.receive_acks(1, [(3, 1)], 250.0)
     t.update_local(neighbours=((1, 100), (2, 200)))
     assert [r.version for r in t.records_to_send(1, 300.0)] == [2]  # a new version: sent at once
-    assert t.records_to_send(1, 302.5) == []
-    assert [r.version for r in t.records_to_send(1, 303.0)] == [2]
+    assert t.records_to_send(1, 321.5) == []
+    assert [r.version for r in t.records_to_send(1, 322.0)] == [2]
+
+
+def test_a_neighbour_once_slow_to_acknowledge_is_not_sent_again_sooner_than_twice_that() -> None:
+    """A neighbour that took 5 s to acknowledge (its loop busy with a mesh forming) will take
+    as long again while the flood lasts: a resend after 3 s would be one more copy queued behind
+    the first, so its next resend waits 10 s. A neighbour that acknowledges at once keeps 3 s."""
+    t = RouteTable(rec(0, neighbours=((1, 100),)), resend_after=3.0)
+    t.neighbour_up(1)
+    t.neighbour_up(2)
+    assert [r.origin for r in t.records_to_send(1, 0.0)] == [0]
+    assert [r.origin for r in t.records_to_send(2, 0.0)] == [0]
+    t.receive_acks(1, [(0, 1)], 5.0)
+    t.receive_acks(2, [(0, 1)], 0.1)
+    t.update_local(neighbours=((1, 100), (2, 100)))
+    assert [r.version for r in t.records_to_send(1, 10.0)] == [2]
+    assert [r.version for r in t.records_to_send(2, 10.0)] == [2]
+    assert t.records_to_send(2, 12.9) == [] and [r.version for r in t.records_to_send(2, 13.0)] == [2]
+    assert t.records_to_send(1, 19.9) == [] and [r.version for r in t.records_to_send(1, 20.0)] == [2]
+    assert t.resent == 2
 
 
 def test_nothing_is_sent_again_while_acknowledgements_keep_coming_back() -> None:
@@ -85,7 +105,9 @@ def test_nothing_is_sent_again_while_acknowledgements_keep_coming_back() -> None
         t.receive_acks(1, [(origin, 1)], now)
     t.receive_acks(1, [(2, 1)], 9.0)  # an acknowledgement that clears nothing is no progress
     assert t.records_to_send(1, 9.9) == [] and t.resent == 0
-    assert {r.origin for r in t.records_to_send(1, 10.0)} == {0} | set(range(5, 12))
+    # and the interval is now twice the slowest of those acknowledgements (7 s, at 7.0)
+    assert t.records_to_send(1, 20.9) == [] and t.resent == 0
+    assert {r.origin for r in t.records_to_send(1, 21.0)} == {0} | set(range(5, 12))
     assert t.resent == 8
 
 
