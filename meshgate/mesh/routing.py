@@ -55,6 +55,12 @@ UNKNOWN_LATENCY_US = 500_000  # an edge whose latency was never measured costs 5
 # forged (a byte pipe tampered with): the resend is the net for that. A udp:// link retransmits
 # itself and closes when a queue overflows; a restarted neighbour comes up anew (neighbour_up).
 RESEND_MAX = 48.0
+# An acknowledgement of version 0 (versions start at the origin's clock in ms, so none is 0): "I
+# hold no record of this origin", sent when a node expires one. The neighbour would otherwise
+# keep it as acknowledged and never send it again, even after the node learns the origin is
+# reachable after all (a slow formation brings the record of the origin's link partner after the
+# expiry): that node then has no route to it until the origin makes a new version.
+FORGOTTEN = 0
 
 _HEAD = struct.Struct("!IIQBB")  # origin, session, version, flags, name length
 _NEIGH = struct.Struct("!II")  # neighbour id, latency µs
@@ -566,13 +572,25 @@ class RouteTable:
                 )
         return stored
 
-    def receive_acks(self, from_nid: int, acks: Iterable[tuple[int, int]], now: float) -> None:
+    def receive_acks(self, from_nid: int, acks: Iterable[tuple[int, int]], now: float) -> bool:
+        """Acknowledgements from `from_nid`; True when a FORGOTTEN one made something to send."""
         sync = self._sync.get(from_nid)
         if sync is None:
-            return
+            return False
         progress = False
+        again = False
         oldest = now
         for origin, version in acks:
+            if version == FORGOTTEN:
+                # it expired this origin: nothing of it counts as held there now. Send it again
+                # only if it is reachable here (it was alive to us); an origin gone for both is
+                # not bounced back and forth, each expiry sending it again to the other
+                sync.acked.pop(origin, None)
+                sync.sent.pop(origin, None)
+                if origin in self.records and origin in self.hop_paths:
+                    sync.pending.add(origin)
+                    again = True
+                continue
             if sync.acked.get(origin, -1) < version:
                 sync.acked[origin] = version
             sent = sync.sent.get(origin)
@@ -585,6 +603,7 @@ class RouteTable:
             sync.slowest = min(RESEND_MAX / 2, max(sync.slowest, now - oldest))
         if not sync.sent:
             sync.resend = self.resend_after  # it caught up: its backlog, not its link, was slow
+        return again
 
     def records_to_send(self, nid: int, now: float) -> list[Record]:
         """Records `nid` has not acknowledged (and not been sent recently)."""

@@ -60,6 +60,7 @@ from meshgate.mesh.link_kinds import LINK_KINDS, Listening
 from meshgate.mesh.links import Link, LinkBase
 from meshgate.mesh.noise import local_caps
 from meshgate.mesh.routing import (
+    FORGOTTEN,
     Record,
     RecordError,
     Route,
@@ -124,6 +125,7 @@ _peer_restarts = REGISTRY.counter(
 
 OPEN_TIMEOUT = 10.0
 DRAIN_GIVE_UP = 1.0  # a stream moving paths waits this long for its peer to return its credit
+FORGOTTEN_PER_FRAME = 4096  # (origin, FORGOTTEN) acknowledgements per ROUTE_ACK frame: 48 KiB
 EXPIRY_CHECK_TICKS = 10  # ping intervals between checks for certificates that expired
 # Received records are checked (signatures) and flooded on at most every SETTLE_INTERVAL:
 # each hop of a flood waits for this, never for a route build. Versions of one origin that a
@@ -818,7 +820,9 @@ class MeshService:
                 if self._pings(link, now):
                     self._send_ping(link)
                 self._report_counters(link)
-        self.table.expire(now)
+        gone = self.table.expire(now)
+        if gone:
+            self._tell_forgotten(gone)
         self._watch_revocation_file()
         if self.traversal is not None:
             self.traversal.tick(now)
@@ -1046,6 +1050,17 @@ class MeshService:
             for body in encode_records(records, MAX_BODY):
                 link.send_frame(ROUTES, 0, 1, self.node_id, nid, body)
 
+    def _tell_forgotten(self, gone: list[int]) -> None:
+        """Records expired here: each neighbour hears (origin, FORGOTTEN), so one that still
+        counts them as acknowledged by us sends them again if it can reach their origin."""
+        for nid in list(self.links):
+            link = self._best_link(nid)
+            if link is None:
+                continue
+            for i in range(0, len(gone), FORGOTTEN_PER_FRAME):
+                acks = encode_acks((o, FORGOTTEN) for o in gone[i:i + FORGOTTEN_PER_FRAME])
+                link.send_frame(ROUTE_ACK, 0, 1, self.node_id, nid, acks)
+
     def _on_routes(self, link: LinkBase, body: memoryview) -> None:
         assert link.peer is not None
         try:
@@ -1079,7 +1094,8 @@ class MeshService:
                     _frames_dropped.labels("bad_ack").inc()
                     return
                 assert link.peer is not None
-                self.table.receive_acks(link.peer.node_id, acks, self.loop.time())
+                if self.table.receive_acks(link.peer.node_id, acks, self.loop.time()):
+                    self._schedule_sync()  # a record the neighbour expired, alive here: again
             else:
                 _frames_dropped.labels("unexpected_hello").inc()
             return

@@ -5,7 +5,7 @@ for what is not due."""
 
 from __future__ import annotations
 
-from meshgate.mesh.routing import RESEND_MAX, Record, RouteTable
+from meshgate.mesh.routing import FORGOTTEN, RESEND_MAX, Record, RouteTable
 
 
 def rec(origin: int, version: int = 1, **kw: object) -> Record:
@@ -148,3 +148,49 @@ def test_settle_checks_a_slice_at_a_time_and_a_forged_newer_version_hides_nothin
     assert checked == [(1, 5), (1, 1), (2, 1), (3, 1)]
     assert t.settle() == 7 and t.unchecked == 0
     assert (4, 1) not in checked and t.records[4].version == 2  # superseded while held
+
+
+def _expired_while_unreachable() -> tuple[RouteTable, RouteTable, Record]:
+    """n (0) - m (1) - y (6) - x (5): m sends n x's record, and y's (which holds x's only edge)
+    only after n's expiry, as a slow formation can. n expires x, unreachable there all along."""
+    n = RouteTable(rec(0, neighbours=((1, 100),)), expiry=60.0)
+    m = RouteTable(rec(1, neighbours=((0, 100), (6, 100))), expiry=60.0)
+    n.neighbour_up(1)
+    m.neighbour_up(0)
+    y = rec(6, neighbours=((1, 100), (5, 100)))
+    m.receive_records(6, [y, rec(5, neighbours=((6, 100),))], 0.0)
+    m.build()
+    assert 5 in m.hop_paths
+    sent = [r for r in m.records_to_send(0, 0.0) if r.origin != 6]
+    m.receive_acks(0, n.receive_records(1, sent, 0.0), 0.0)
+    n.build()
+    n.mark_unreachable(0.0)
+    assert 5 in n.records and 5 not in n.hop_paths
+    assert n.expire(61.0) == [5] and 5 not in n.records
+    return n, m, y
+
+
+def test_a_record_expired_where_its_origin_looked_unreachable_comes_back_from_the_neighbour() -> None:
+    """The neighbour counted x as acknowledged by n, so it would never send it again: n's
+    (x, FORGOTTEN) acknowledgement (what MeshService sends on an expiry) takes that back, and
+    since x is reachable at m, m sends it again. Once y's record comes, n routes to x."""
+    n, m, y = _expired_while_unreachable()
+    assert m.receive_acks(0, [(5, FORGOTTEN)], 61.0)
+    m.receive_acks(0, n.receive_records(1, [y], 61.0), 61.0)
+    again = m.records_to_send(0, 61.0)
+    assert [r.origin for r in again] == [5]
+    m.receive_acks(0, n.receive_records(1, again, 61.0), 61.0)
+    n.build()
+    assert n.hop_paths[5].next_hop == 1 and n.hop_paths[5].hops == 3
+    assert m.records_to_send(0, 200.0) == []  # acknowledged again: nothing more
+
+
+def test_a_record_forgotten_by_both_sides_is_not_sent_back_and_forth() -> None:
+    """An origin that is gone (unreachable at the neighbour too) is not sent again on a
+    FORGOTTEN acknowledgement: the neighbour expires it itself, and the two do not bounce it."""
+    _, m, _ = _expired_while_unreachable()
+    m.update_local(neighbours=((0, 100),))  # m's link to y is gone: x unreachable at m as well
+    m.build()
+    assert 5 not in m.hop_paths
+    assert not m.receive_acks(0, [(5, FORGOTTEN)], 61.0)
+    assert all(r.origin != 5 for r in m.records_to_send(0, 200.0))
