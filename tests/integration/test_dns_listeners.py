@@ -113,7 +113,8 @@ async def test_every_listener_answers_mesh_names_and_upstream_names(env: Env, sc
     r = await dnspython_query(env, scheme, dns.message.make_query("nobody.mesh.internal", "AAAA"))
     assert r.rcode() == dns.rcode.NXDOMAIN and r.authority[0].name.to_text() == "mesh.internal."
     st = env.stat(scheme).snapshot()
-    assert st["queries"] == 3 and st["responses"] == {"NOERROR": 2, "NXDOMAIN": 1}
+    # the whole snapshot on failure: one CI run counted 4 queries on https (not reproduced)
+    assert st["queries"] == 3 and st["responses"] == {"NOERROR": 2, "NXDOMAIN": 1}, st
 
 
 async def test_doh_get_and_doq_padding(env: Env) -> None:
