@@ -135,6 +135,13 @@ class _Family:
                 child = self._children.setdefault(values, make())
         return child
 
+    def forget(self, first: str) -> None:
+        """Drop the series whose first label value is `first` (a stopped listener's): a later
+        one labelled the same (the same address bound again in this process) starts at zero."""
+        with self._lock:
+            for values in [v for v in self._children if v and v[0] == first]:
+                del self._children[values]
+
     def _label_text(self, values: tuple[str, ...], extra: str = "") -> str:
         parts = [f'{k}="{_escape(v)}"' for k, v in zip(self.labelnames, values, strict=True)]
         if extra:

@@ -96,6 +96,8 @@ class DnsService:
             except Exception:
                 log.exception("closing DNS listener %s", listener.url)
         self.pipeline.close()  # upstream exchanges and pooled connections; it stays usable
+        for st in self.stats.values():
+            st.forget()
 
     def status(self) -> dict[str, Any]:
         notes = list(self.urls)

@@ -42,6 +42,15 @@ class ListenerStats:
             self._drops.clear()
             self._errors.clear()
 
+    def forget(self) -> None:
+        """The listener stopped: its series leave the families (see _Family.forget)."""
+        for family in (_queries, _responses, _drops, _errors):
+            family.forget(self.name)
+        self.queries = _queries.labels(self.name)
+        self._responses.clear()
+        self._drops.clear()
+        self._errors.clear()
+
     def response(self, rcode: int, n: int = 1) -> None:
         """`n` responses with `rcode` (n > 1: a batch, the UDP fast path's)."""
         c = self._responses.get(rcode)
