@@ -42,6 +42,15 @@ _duplicates = REGISTRY.counter(
     "meshgate_mesh_duplicate_total", "Conflicting claims seen in route records", ("kind",)
 )
 _builds = REGISTRY.counter("meshgate_mesh_route_builds_total", "Route graph builds")
+_expired = REGISTRY.counter(
+    "meshgate_mesh_route_records_expired_total",
+    "Route records dropped here because their origin stayed unreachable (neighbours are told: FORGOTTEN)",
+).labels()
+_forgotten = REGISTRY.counter(
+    "meshgate_mesh_route_forgotten_total",
+    "FORGOTTEN acknowledgements from neighbours, by what this node did: sent_again (it reaches the "
+    "origin) or gone_here (it does not either)", ("result",),
+)
 
 MAX_CANDIDATES = 4  # received versions of one origin held for checking at once
 UNKNOWN_LATENCY_US = 500_000  # an edge whose latency was never measured costs 500 ms
@@ -572,13 +581,14 @@ class RouteTable:
                 )
         return stored
 
-    def receive_acks(self, from_nid: int, acks: Iterable[tuple[int, int]], now: float) -> bool:
-        """Acknowledgements from `from_nid`; True when a FORGOTTEN one made something to send."""
+    def receive_acks(self, from_nid: int, acks: Iterable[tuple[int, int]], now: float) -> int:
+        """Acknowledgements from `from_nid`; returns how many records FORGOTTEN ones made to
+        send again (0: nothing new to send)."""
         sync = self._sync.get(from_nid)
         if sync is None:
-            return False
+            return 0
         progress = False
-        again = False
+        again = gone_here = 0
         oldest = now
         for origin, version in acks:
             if version == FORGOTTEN:
@@ -589,7 +599,9 @@ class RouteTable:
                 sync.sent.pop(origin, None)
                 if origin in self.records and origin in self.hop_paths:
                     sync.pending.add(origin)
-                    again = True
+                    again += 1
+                else:
+                    gone_here += 1
                 continue
             if sync.acked.get(origin, -1) < version:
                 sync.acked[origin] = version
@@ -603,6 +615,10 @@ class RouteTable:
             sync.slowest = min(RESEND_MAX / 2, max(sync.slowest, now - oldest))
         if not sync.sent:
             sync.resend = self.resend_after  # it caught up: its backlog, not its link, was slow
+        if again:
+            _forgotten.labels("sent_again").inc(again)
+        if gone_here:
+            _forgotten.labels("gone_here").inc(gone_here)
         return again
 
     def records_to_send(self, nid: int, now: float) -> list[Record]:
@@ -677,6 +693,8 @@ class RouteTable:
             for sync in self._sync.values():
                 sync.acked.pop(origin, None)
                 sync.sent.pop(origin, None)
+        if gone:
+            _expired.inc(len(gone))
         return gone
 
     def mark_unreachable(self, now: float) -> None:

@@ -5,6 +5,7 @@ for what is not due."""
 
 from __future__ import annotations
 
+from meshgate.mesh import routing
 from meshgate.mesh.routing import FORGOTTEN, RESEND_MAX, Record, RouteTable
 
 
@@ -166,7 +167,9 @@ def _expired_while_unreachable() -> tuple[RouteTable, RouteTable, Record]:
     n.build()
     n.mark_unreachable(0.0)
     assert 5 in n.records and 5 not in n.hop_paths
+    expired = routing._expired.value
     assert n.expire(61.0) == [5] and 5 not in n.records
+    assert routing._expired.value == expired + 1  # meshgate_mesh_route_records_expired_total
     return n, m, y
 
 
@@ -175,7 +178,9 @@ def test_a_record_expired_where_its_origin_looked_unreachable_comes_back_from_th
     (x, FORGOTTEN) acknowledgement (what MeshService sends on an expiry) takes that back, and
     since x is reachable at m, m sends it again. Once y's record comes, n routes to x."""
     n, m, y = _expired_while_unreachable()
-    assert m.receive_acks(0, [(5, FORGOTTEN)], 61.0)
+    again = routing._forgotten.labels("sent_again").value
+    assert m.receive_acks(0, [(5, FORGOTTEN)], 61.0) == 1
+    assert routing._forgotten.labels("sent_again").value == again + 1
     m.receive_acks(0, n.receive_records(1, [y], 61.0), 61.0)
     again = m.records_to_send(0, 61.0)
     assert [r.origin for r in again] == [5]
@@ -192,5 +197,7 @@ def test_a_record_forgotten_by_both_sides_is_not_sent_back_and_forth() -> None:
     m.update_local(neighbours=((0, 100),))  # m's link to y is gone: x unreachable at m as well
     m.build()
     assert 5 not in m.hop_paths
-    assert not m.receive_acks(0, [(5, FORGOTTEN)], 61.0)
+    gone = routing._forgotten.labels("gone_here").value
+    assert m.receive_acks(0, [(5, FORGOTTEN)], 61.0) == 0
+    assert routing._forgotten.labels("gone_here").value == gone + 1
     assert all(r.origin != 5 for r in m.records_to_send(0, 200.0))
