@@ -51,7 +51,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -898,14 +898,50 @@ def report(
     `by_metric` prints them transposed (Runner.table_by_metric)."""
     tables = [r.table_by_metric() if by_metric else r.table(ratio_metrics) for r in runners]
     print("\n\n".join(tables), flush=True)
+    print(f"scheduler: autogroup {autogroup_state()} (kernel.sched_autogroup_enabled), "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}", flush=True)
     if json_path:
         data = {r.title: r.to_json(ratio_metrics) for r in runners}
         Path(json_path).write_text(json.dumps(data, indent=2, sort_keys=True))
         print(f"wrote {json_path}")
 
 
+AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
+
+
+def autogroup_state() -> str:
+    """The scheduler's autogroup setting, printed with every report. Peers start in sessions of
+    their own (Peer.start), and with autogroup on the kernel shares CPU between sessions, not
+    processes: a server of several processes then gets one session's share against the client's
+    (on 2 cores, `dns.workers = 2` measured 0.56x the q/s of one process with it on, 1.17x off;
+    docs/OPERATIONS.md). Figures are comparable only under the same setting."""
+    try:
+        return "on" if AUTOGROUP.read_text().strip() == "1" else "off"
+    except OSError:
+        return "absent"
+
+
+@contextlib.contextmanager
+def autogroup(choice: str) -> Iterator[None]:
+    """`--autogroup off|on`: set kernel.sched_autogroup_enabled for the run (root), then put it
+    back; `keep` leaves it."""
+    before = autogroup_state()
+    if choice == "keep" or choice == before or before == "absent":
+        yield
+        return
+    try:
+        AUTOGROUP.write_text("1" if choice == "on" else "0")
+    except OSError as e:
+        sys.exit(f"--autogroup {choice}: cannot write {AUTOGROUP} ({e}); run as root or use keep")
+    try:
+        yield
+    finally:
+        AUTOGROUP.write_text("1" if before == "on" else "0")
+
+
 def add_args(p: argparse.ArgumentParser, rounds: int = 3) -> None:
     p.add_argument("--rounds", type=int, default=rounds, help="alternating rounds per variant")
+
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--only", help="comma-separated variant names to run (default: all)")
 

@@ -119,6 +119,7 @@ from bench.common import (  # noqa: E402
     Peer,
     Runner,
     add_args,
+    autogroup,
     fmt,
     free_port,
     git_tree,
@@ -700,7 +701,15 @@ def main() -> None:
     ap.add_argument("--blocklist-size", type=int, default=1_000_000, help="domains in the generated list")
     ap.add_argument("--udp-batches", action="store_true",
                     help="add dns-udp-batches: the UDP listener in process, batched vs a call per datagram")
+    ap.add_argument("--autogroup", choices=["keep", "on", "off"], default="keep",
+                    help="kernel.sched_autogroup_enabled for the run (root; put back after): with it on "
+                         "a server's processes share one session's CPU (bench/common.py autogroup_state)")
     args = ap.parse_args()
+    with autogroup(args.autogroup):
+        _run(args)
+
+
+def _run(args: argparse.Namespace) -> None:
     runners: list[Runner] = []
 
     if args.udp_batches:
