@@ -913,8 +913,8 @@ def autogroup_state() -> str:
     """The scheduler's autogroup setting, printed with every report. Peers start in sessions of
     their own (Peer.start), and with autogroup on the kernel shares CPU between sessions, not
     processes: a server of several processes then gets one session's share against the client's
-    (on 2 cores, `dns.workers = 2` measured 0.56x the q/s of one process with it on, 1.17x off;
-    docs/OPERATIONS.md). Figures are comparable only under the same setting."""
+    (on 2 cores, `dns.workers = 2` measured 0.56x the q/s of one process with it on, 1.04x off;
+    docs/OPERATIONS.md, The DNS fast path). Figures are comparable only under the same setting."""
     try:
         return "on" if AUTOGROUP.read_text().strip() == "1" else "off"
     except OSError:
