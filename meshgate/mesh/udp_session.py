@@ -5,6 +5,8 @@ Wire format (docs/PROTOCOL.md section 2.5 has the full text):
 
     handshake  = kind u8 (1, 2, 3) | MAGIC (4) | VERSION u8 | sender id u32 | receiver id u32 | Noise msg
     data       = kind u8 (4) | receiver id u32 | record header (u32 length, epoch u8, counter u64) | AEAD
+    piece      = kind u8 (5) | receiver id u32 | record header | offset u32 | bytes of that record's AEAD
+                 output (ciphertext + tag) from offset: a record too big for one packet (CAP_PIECES)
     plaintext  = chunk*
     chunk      = ACK   0x01 | next expected segment u32 | SACK bitmap u64 (bit i: segment next+1+i held)
                | SEG   0x02 | segment number u32 | length u16 | bytes of the reliable stream
@@ -23,10 +25,14 @@ msg1 received and nothing else before the handshake completes.
 
 DATAGRAM frames travel unreliably: one that fits a packet whole (DGRAM); a bigger one (up
 to 65535 frame bytes; only a full 65536-byte frame takes the reliable channel, as the u16
-total cannot say its size) is cut into DFRAG pieces packed densely
-into the room packets have left (so runs of full-size packets stay GSO-friendly) and
-reassembled by the receiver in a bounded table (entries, bytes, a timeout): a lost
-piece loses that datagram only, which is counted by reason.
+total cannot say its size) travels in pieces, reassembled by the receiver in a bounded
+table (entries, bytes, a timeout): a lost piece loses that datagram only, which is counted
+by reason. Where both ends offered CAP_PIECES in the handshake (every node since it), the
+frame is sealed as one record of its own (a DGRAM chunk) and that record is cut into piece
+packets, all full-size but the last (one GSO run): one AEAD call per datagram, not per
+packet, and no piece is authentic until its record opens (a forged one fails the record).
+With a peer from before it, DFRAG chunks inside ordinary data packets, packed densely into
+the room packets have left (so runs of full-size packets stay GSO-friendly).
 
 The reliable channel carries every other frame: the frames are encoded back to back
 into a byte stream that is cut into numbered segments (one per packet). The receiver
@@ -96,6 +102,19 @@ DATA_OVERHEAD = DATA.size + RECORD.size + TAG  # bytes of a data packet that are
 PIECE = struct.Struct("!BIIBQI")
 PIECE_SIZE = PIECE.size
 _unpack_piece = PIECE.unpack_from
+RUN_MIN = 4  # fewer full-size pieces in a read are taken one by one
+_runs: dict[tuple[int, int], struct.Struct] = {}
+
+
+def _run(step: int, k: int) -> struct.Struct:
+    """The Struct that reads k piece packets of `step` bytes back to back (a GRO read): per
+    packet its first 18 bytes (kind, receiver id, record header), its offset, its bytes."""
+    run = _runs.get((step, k))
+    if run is None:
+        if len(_runs) >= 512:
+            _runs.clear()
+        run = _runs[step, k] = struct.Struct("!" + f"18sI{step - PIECE_SIZE}s" * k)
+    return run
 # the capability bit (the AEAD offer's caps byte, docs/PROTOCOL.md section 2.5) a udp:// session
 # offers: "a record too big for a packet may come in KIND_PIECE pieces". Both ends offer it:
 # big datagrams travel that way; else (a peer from before it) in DFRAG chunks as before
@@ -515,6 +534,28 @@ class UdpSession:
                 pieces += 1
                 rec = self._filling
                 if counter == rec.counter and poff == rec.end and length == rec.length and epoch == rec.epoch:
+                    room = step - PIECE_SIZE
+                    k = (n - off) // step  # full-size packets from this one on (a GRO read: all but the last)
+                    if k >= RUN_MIN and room > 0:
+                        left = (rec.total - poff) // room
+                        if k > left:
+                            k = left
+                        if k >= RUN_MIN:
+                            # a run of k pieces in one struct call: each one's first 18 head bytes,
+                            # offset and bytes; taken if every head is this one's (checked above)
+                            # and the offsets follow on, else packet by packet below
+                            vals = _run(step, k).unpack_from(buf, off)
+                            stop = poff + k * room
+                            if vals[0::3] == (vals[0],) * k and vals[1::3] == tuple(range(poff, stop, room)):
+                                rec.buf[poff:stop] = b"".join(vals[2::3])
+                                rec.end = stop
+                                rec.count += k
+                                pieces += k - 1
+                                off += k * step
+                                if stop == rec.total:
+                                    opened += self._open_record(rec, now)
+                                    decrypt, nonce, window, recv_epoch = self._rx_key
+                                continue
                     last = poff + end - off - PIECE_SIZE
                     if last <= rec.total:
                         rec.buf[poff:last] = buf[off + PIECE_SIZE : end]
