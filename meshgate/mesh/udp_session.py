@@ -557,15 +557,22 @@ class UdpSession:
                                     decrypt, nonce, window, recv_epoch = self._rx_key
                                 continue
                     last = poff + end - off - PIECE_SIZE
-                    if last <= rec.total:
+                    if last < rec.total:
                         rec.buf[poff:last] = buf[off + PIECE_SIZE : end]
                         rec.end = last
                         rec.count += 1
                         off = end
-                        if last == rec.total:
-                            opened += self._open_record(rec, now)
-                            decrypt, nonce, window, recv_epoch = self._rx_key
                         continue
+                    # the record's last piece (poff is inside the record: it is not whole yet);
+                    # any bytes after the record's end are the sender's padding
+                    last = rec.total
+                    rec.buf[poff:last] = buf[off + PIECE_SIZE : off + PIECE_SIZE + last - poff]
+                    rec.end = last
+                    rec.count += 1
+                    off = end
+                    opened += self._open_record(rec, now)
+                    decrypt, nonce, window, recv_epoch = self._rx_key
+                    continue
                 opened += self._piece(buf, off, end, length, epoch, counter, poff, now)
                 decrypt, nonce, window, recv_epoch = self._rx_key
                 frames_seen = self._frames_seen
@@ -700,10 +707,12 @@ class UdpSession:
             return 0
         n = end - off - PIECE_SIZE
         total = length - RECORD_EXTRA
-        if (total <= TAG or total > PIECED_MAX or poff + n > total
+        if (total <= TAG or total > PIECED_MAX or poff >= total
                 or total + PIECE_COST > self.reassembly_bytes):
             self.frag_malformed += 1
             return 0
+        if poff + n > total:
+            n = total - poff  # the last piece: its padding is not the record's
         if now >= self._expire_at:
             self._expire(now)
         records = self._records
@@ -729,7 +738,7 @@ class UdpSession:
         if poff < filled or poff in later:
             self.duplicates += 1
             return 0
-        rec.buf[poff : poff + n] = buf[off + PIECE_SIZE : end]
+        rec.buf[poff : poff + n] = buf[off + PIECE_SIZE : off + PIECE_SIZE + n]
         rec.count += 1
         if poff != filled:
             later[poff] = n  # past a gap: receive_batch leaves the record to this path until it closes
@@ -1237,19 +1246,25 @@ class UdpSession:
         return out
 
     def _seal_pieces(self, plain: bytes, out: list[bytes]) -> int:
-        """Seal `plain` as one record and append it to `out` cut into KIND_PIECE packets, all
-        full but the last (one GSO run); returns how many."""
+        """Seal `plain` as one record and append it to `out` cut into KIND_PIECE packets of one
+        size: as few as the packet size allows, the record cut evenly between them and the last
+        padded with (fewer than that many) zeros. So the pieces of records of one size (a TCP
+        flow's super-packets through TUN) make one GSO run across records, up to GSO_MAX_BYTES
+        a send, and one GRO read at the receiver. Returns how many."""
         send = self.send
         assert send is not None
         header, ct = send.seal(plain)
         length, epoch, counter = RECORD.unpack(header)
-        room = self.payload - PIECE_SIZE
-        pack, rid, view = PIECE.pack, self.peer_id, memoryview(ct)
         total = len(ct)
-        before = len(out)
-        out.extend([pack(KIND_PIECE, rid, length, epoch, counter, off) + view[off : off + room]
-                    for off in range(0, total, room)])
-        return len(out) - before
+        count = -(-total // (self.payload - PIECE_SIZE))
+        size = -(-total // count)
+        pack, rid, view = PIECE.pack, self.peer_id, memoryview(ct)
+        out.extend([pack(KIND_PIECE, rid, length, epoch, counter, off) + view[off : off + size]
+                    for off in range(0, total, size)])
+        pad = count * size - total
+        if pad:
+            out[-1] += bytes(pad)
+        return count
 
     def _packet(self, prefix: bytes, parts: list[bytes | bytearray | memoryview]) -> bytes:
         """Seal one data packet: `parts` (ACK, maybe a segment) plus the queued datagrams

@@ -628,27 +628,40 @@ def _pieced(w: Wire, frame: bytes) -> list[bytes]:
     return out
 
 
-def test_both_ends_offering_pieces_send_a_big_datagram_as_one_record_in_one_gso_run() -> None:
+@pytest.mark.parametrize("size", [30_000, 1500, 3000, 0xFFFF - FRAME.size - 2])
+def test_both_ends_offering_pieces_send_big_datagrams_as_records_in_one_gso_run(size: int) -> None:
+    """Each big datagram is one record cut evenly into as few pieces as the packet size allows,
+    the last padded: records of one size make one run of equal-size packets (GSO sends of up to
+    GSO_MAX_BYTES, GRO reads across records), taken whole by the receiver whatever the reads."""
     w = Wire(31)
     w.establish()
     _hello(w)
     assert w.a.pieces and w.b.pieces
-    data = [_big(i, 30_000) for i in range(10)]
+    data = [_big(i, size) for i in range(10)]
     for d in data:
         w.a.send_frame(DATAGRAM, 0, 8, 1, 2, b"\x00\x03", d)
     packets = w.a.packets_to_send(w.now)
     runs = _records(packets)
     assert len(runs) == 10 and w.a.fragmented_out == 10
-    room = 1472 - PIECE_SIZE
-    ct = 3 + FRAME.size + 2 + 30_000 + 16  # DGRAM chunk header, frame, tag
+    ct = 3 + FRAME.size + 2 + size + 16  # DGRAM chunk header, frame, tag
+    count = -(-ct // (1472 - PIECE_SIZE))
+    piece = -(-ct // count)
+    assert {len(p) for p in packets} == {PIECE_SIZE + piece}  # one size: one run
     for run in runs:
-        assert len(run) == -(-ct // room)
-        assert all(len(p) == 1472 for p in run[:-1]) and len(run[-1]) == PIECE_SIZE + ct % room
-        offsets = [PIECE.unpack_from(p)[5] for p in run]
-        assert offsets == list(range(0, ct, room))
-        assert _read(w.b, run, w.now) == (len(run), sum(map(len, run)))  # all authentic, once whole
+        assert len(run) == count and [PIECE.unpack_from(p)[5] for p in run] == list(range(0, ct, piece))
+        assert run[-1].endswith(bytes(count * piece - ct))  # the padding
+    # GRO reads of up to 64 KB, across records: every packet authentic once its record opened
+    # (a read counts the pieces of the records it completed, those of earlier reads included)
+    per_read = 65000 // (PIECE_SIZE + piece)
+    authentic = 0
+    for i in range(0, len(packets), per_read):
+        read = packets[i : i + per_read]
+        good, used = _read(w.b, read, w.now)
+        assert used == sum(map(len, read))
+        authentic += good
+    assert authentic == len(packets)
     assert [f[5][2:] for f in w.got["b"][1:]] == data and w.b.reassembled == 10
-    assert w.b.reassembly_held() == (0, 0) and w.b.packets_in >= sum(map(len, runs))
+    assert w.b.reassembly_held() == (0, 0) and w.b.packets_in >= len(packets)
     assert w.b.forged == w.b.replayed == w.b.frag_malformed == w.b.unexpected == 0
 
 
@@ -749,7 +762,7 @@ def test_bad_pieces_are_refused_and_the_table_stays_bounded() -> None:
     def piece(length: int = length, counter: int = counter, off: int = off, data: bytes = body) -> bytes:
         return PIECE.pack(kind, rid, length, epoch, counter, off) + data
 
-    feed(piece(off=length - 9 - 100))  # runs past the record's end
+    feed(piece(off=length - 9))  # starts at the record's end (a last piece's padding may run past it)
     feed(piece(length=0xFFFF + 3 + 16 + 9 + 1))  # bigger than any DGRAM chunk of a frame
     feed(piece(length=9 + 16))  # no room for a plaintext
     feed(piece(length=9 + 61_000))  # bigger than the table's bytes
@@ -895,14 +908,16 @@ def test_a_read_whose_pieces_do_not_follow_on_is_taken_piece_by_piece(change: st
     else:
         bad = bytearray(read[9])
         if change == "offset":
-            struct.pack_into("!I", bad, PIECE_SIZE - 4, PIECE.unpack_from(bad)[5] + 2900)
+            two_on = PIECE.unpack_from(bad)[5] + 2 * (len(bad) - PIECE_SIZE)  # piece 11's offset
+            struct.pack_into("!I", bad, PIECE_SIZE - 4, two_on)
         else:
             bad[1] ^= 0x80  # another session's id: the read ends there for this session
         read[9] = bytes(bad)
     view = memoryview(b"".join(read))
-    good, used = b.receive_batch(view, len(view), len(read[0]), w.now)
-    assert good == 0 and used == (9 * 1472 if change == "head" else len(view))
-    for p in read[used // 1472 :] if change == "head" else []:
+    size = len(read[0])
+    good, used = b.receive_batch(view, len(view), size, w.now)
+    assert good == 0 and used == (9 * size if change == "head" else len(view))
+    for p in read[used // size :] if change == "head" else []:
         b.receive(p, w.now)  # (the listener would hand the rest on one by one)
     rest = {"foreign": run[8:9] + run[-1:], "offset": run[9:], "head": run[9:]}.get(change, run[-1:])
     for p in rest:
