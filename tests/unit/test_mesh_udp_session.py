@@ -516,7 +516,7 @@ def test_forged_replayed_and_malformed_packets_are_counted_and_dropped() -> None
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=1600), st.sampled_from([KIND_INIT, 2, 3, KIND_DATA, 0, 255]))
+@given(st.binary(max_size=1600), st.sampled_from([KIND_INIT, 2, 3, KIND_DATA, KIND_PIECE, 0, 255]))
 def test_fuzz_decoder_never_raises_but_link_errors(junk: bytes, kind: int) -> None:
     w = Wire(8)
     w.establish()
