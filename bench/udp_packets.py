@@ -6,8 +6,9 @@ to send and to receive one 1,472-byte packet, sealing and opening included.
 Two sessions are joined in memory (handshake included); the sender queues work, the packets
 it produces are handed to the receiver, whose ACKs go back. Workloads:
 
-* `tun`: 32 KiB DATAGRAM frames (the TUN device's super-packets), cut into DFRAG pieces
-  and reassembled (TCP through TUN over udp:// links).
+* `tun`: 32 KiB DATAGRAM frames (the TUN device's super-packets), each sealed as one record
+  and cut into KIND_PIECE packets (a REF from before CAP_PIECES: DFRAG pieces in sealed
+  packets), reassembled (TCP through TUN over udp:// links).
 * `stream`: 16 KiB STREAM_DATA frames on the reliable channel (mesh streams, SOCKS5).
 
 First table: what the AEAD alone costs per 1,414-byte record (one full udp:// packet's
@@ -160,13 +161,15 @@ def aead_cost(name: str, n: int = 20000) -> Metrics:
 
 def gro_reads(packets: list[bytes]) -> list[tuple[memoryview, int, int]]:
     """The packets as UDP GRO would deliver them: runs of equal size (the last of a run may be
-    shorter), at most 64 a read, each run one buffer (built before the clock starts)."""
+    shorter), at most 64 and 65,535 bytes a read, each run one buffer (built before the clock
+    starts)."""
     reads = []
     i = 0
     while i < len(packets):
         size = len(packets[i])
         j = i + 1
-        while j < len(packets) and j - i < 64 and len(packets[j - 1]) == size and len(packets[j]) <= size:
+        while (j < len(packets) and j - i < 64 and len(packets[j - 1]) == size and len(packets[j]) <= size
+               and (j - i) * size + len(packets[j]) <= 65535):
             j += 1
         buf = b"".join(packets[i:j])
         reads.append((memoryview(buf), len(buf), size))

@@ -53,6 +53,7 @@ from meshgate.mesh.udp_session import (
     DATA,
     KIND_DATA,
     KIND_INIT,
+    KIND_PIECE,
     UdpSession,
     is_init,
     payload_size,
@@ -658,7 +659,7 @@ class UdpListener:
     def _on_batch(self, view: memoryview, n: int, step: int, addr: Any, src: Cmsg | None) -> int:
         """A read whose first packet is a data packet of a session at this address goes to that
         session whole (the usual case: a GRO batch of one peer's packets); else none of it."""
-        if n < DATA.size or view[0] != KIND_DATA:
+        if n < DATA.size or (view[0] != KIND_DATA and view[0] != KIND_PIECE):
             return 0
         link = self.by_id.get(DATA.unpack_from(view)[1])
         if link is None or link.addr != addr:
@@ -677,7 +678,7 @@ class UdpListener:
         if link is not None and link.addr == addr:
             link.datagram_received(packet)
             return
-        if link is not None and packet[0] == KIND_DATA and link.moved_packet(packet, addr, src):
+        if link is not None and packet[0] in (KIND_DATA, KIND_PIECE) and link.moved_packet(packet, addr, src):
             return
         _dropped.labels("unknown_peer").inc()
         _rlog.debug(f"unknown:{addr}", "udp link: packet from %s for no session of ours", addr)

@@ -5,6 +5,8 @@ Wire format (docs/PROTOCOL.md section 2.5 has the full text):
 
     handshake  = kind u8 (1, 2, 3) | MAGIC (4) | VERSION u8 | sender id u32 | receiver id u32 | Noise msg
     data       = kind u8 (4) | receiver id u32 | record header (u32 length, epoch u8, counter u64) | AEAD
+    piece      = kind u8 (5) | receiver id u32 | record header | offset u32 | bytes of that record's AEAD
+                 output (ciphertext + tag) from offset: a record too big for one packet (CAP_PIECES)
     plaintext  = chunk*
     chunk      = ACK   0x01 | next expected segment u32 | SACK bitmap u64 (bit i: segment next+1+i held)
                | SEG   0x02 | segment number u32 | length u16 | bytes of the reliable stream
@@ -23,10 +25,14 @@ msg1 received and nothing else before the handshake completes.
 
 DATAGRAM frames travel unreliably: one that fits a packet whole (DGRAM); a bigger one (up
 to 65535 frame bytes; only a full 65536-byte frame takes the reliable channel, as the u16
-total cannot say its size) is cut into DFRAG pieces packed densely
-into the room packets have left (so runs of full-size packets stay GSO-friendly) and
-reassembled by the receiver in a bounded table (entries, bytes, a timeout): a lost
-piece loses that datagram only, which is counted by reason.
+total cannot say its size) travels in pieces, reassembled by the receiver in a bounded
+table (entries, bytes, a timeout): a lost piece loses that datagram only, which is counted
+by reason. Where both ends offered CAP_PIECES in the handshake (every node since it), the
+frame is sealed as one record of its own (a DGRAM chunk) and that record is cut into piece
+packets, all full-size but the last (one GSO run): one AEAD call per datagram, not per
+packet, and no piece is authentic until its record opens (a forged one fails the record).
+With a peer from before it, DFRAG chunks inside ordinary data packets, packed densely into
+the room packets have left (so runs of full-size packets stay GSO-friendly).
 
 The reliable channel carries every other frame: the frames are encoded back to back
 into a byte stream that is cut into numbered segments (one per packet). The receiver
@@ -55,7 +61,9 @@ from meshgate.mesh.frames import (
     FRAME,
     MAGIC,
     NOISE_PATTERN,
+    OFFER_V1,
     RECORD,
+    RECORD_EXTRA,
     REPLAY_WINDOW,
     TAG,
     UNRELIABLE,
@@ -83,11 +91,36 @@ KIND_INIT = 1
 KIND_RESP = 2
 KIND_FINAL = 3
 KIND_DATA = 4
+KIND_PIECE = 5  # a piece of one sealed record too big for a packet (CAP_PIECES, both ends)
 
 HS = struct.Struct("!B4sBII")  # kind, magic, version, sender id, receiver id
 DATA = struct.Struct("!BI")  # kind, receiver id
 DATA_HEAD = struct.Struct("!BIIBQ")  # kind, receiver id, then the record header (frames.RECORD)
 DATA_OVERHEAD = DATA.size + RECORD.size + TAG  # bytes of a data packet that are not plaintext
+# kind, receiver id, the record header (length, epoch, counter), then the piece's offset in the
+# record's ciphertext: a data packet's head with a u32 after it, so one unpack reads either
+PIECE = struct.Struct("!BIIBQI")
+PIECE_SIZE = PIECE.size
+_unpack_piece = PIECE.unpack_from
+RUN_MIN = 4  # fewer full-size pieces in a read are taken one by one
+_runs: dict[tuple[int, int], struct.Struct] = {}
+
+
+def _run(step: int, k: int) -> struct.Struct:
+    """The Struct that reads k piece packets of `step` bytes back to back (a GRO read): per
+    packet its first 18 bytes (kind, receiver id, record header), its offset, its bytes."""
+    run = _runs.get((step, k))
+    if run is None:
+        if len(_runs) >= 512:
+            _runs.clear()
+        run = _runs[step, k] = struct.Struct("!" + f"18sI{step - PIECE_SIZE}s" * k)
+    return run
+# the capability bit (the AEAD offer's caps byte, docs/PROTOCOL.md section 2.5) a udp:// session
+# offers: "a record too big for a packet may come in KIND_PIECE pieces". Both ends offer it:
+# big datagrams travel that way; else (a peer from before it) in DFRAG chunks as before
+CAP_PIECES = 0x02
+# the most ciphertext a pieced record carries: a DGRAM chunk of the biggest DATAGRAM frame
+PIECED_MAX = 3 + 0xFFFF + TAG
 INIT_PADDING = 64  # msg1 payload: makes msg1 (126 B) no smaller than msg2 (113 B)
 # The AEAD offer (frames.aead_offer, docs/PROTOCOL.md section 2.6) starts msg1's payload, then
 # zeros to INIT_PADDING (a version-3 initiator from before it sends the zeros alone).
@@ -109,7 +142,7 @@ BODY_AT = DATA.size + RECORD.size  # where a data packet's ciphertext starts
 LENGTH_FROM = DATA.size + 4  # packet bytes not counted by the record header's length
 ACK_SIZE = ACK.size
 AD_SIZE = ACK_DFRAG.size
-_unpack_head, _unpack_ad, _pack_ad = DATA_HEAD.unpack_from, ACK_DFRAG.unpack_from, ACK_DFRAG.pack
+_unpack_ad, _pack_ad = ACK_DFRAG.unpack_from, ACK_DFRAG.pack
 DFRAG_MAX = 0xFFFF  # a bigger frame (65536 bytes: a full-size body) takes the reliable channel
 FRAG_MIN = 64  # smallest piece but a datagram's last: leftover room below this starts a new packet
 INF = float("inf")
@@ -143,7 +176,7 @@ def is_init(packet: bytes | bytearray | memoryview) -> bool:
 def receiver_id(packet: bytes | bytearray | memoryview) -> int | None:
     """The receiver's session id of a data/msg2/msg3 packet (demux), or None."""
     kind = packet[0] if packet else 0
-    if kind == KIND_DATA and len(packet) >= DATA.size:
+    if kind in (KIND_DATA, KIND_PIECE) and len(packet) >= DATA.size:
         return int(DATA.unpack_from(packet)[1])
     if kind in (KIND_RESP, KIND_FINAL) and len(packet) >= HS.size:
         return int(HS.unpack_from(packet)[4])
@@ -186,6 +219,34 @@ class _Reassembly:
 _NOTHING_FORETOLD = (_Reassembly(0, 0.0), 0, 0, 0, 0, 0, 0)
 
 
+class _Record:
+    """The KIND_PIECE pieces of one sealed record received so far: its ciphertext filled in
+    place (charged whole from the first piece), `end` the length of the filled prefix, and the
+    pieces past a gap by offset until the gap is filled. No piece is authentic until the whole
+    record opens; a forged one makes the record fail its tag (lost, counted as forged)."""
+
+    __slots__ = ("buf", "count", "counter", "created", "end", "epoch", "key", "later", "length", "total")
+
+    def __init__(self, key: int, length: int, epoch: int, counter: int, created: float) -> None:
+        self.key = key
+        self.length = length  # the record header's length (ciphertext bytes + RECORD_EXTRA)
+        self.epoch = epoch
+        self.counter = counter
+        self.total = length - RECORD_EXTRA  # ciphertext bytes
+        self.created = created
+        self.buf = bytearray(self.total)
+        self.end = 0  # every byte before it is filled
+        self.count = 0  # pieces taken
+        self.later: dict[int, int] = {}  # offset -> length of the pieces taken past `end`
+
+    def cost(self) -> int:
+        return self.total + PIECE_COST
+
+
+# receive_batch's record being filled in order before there is one: matches no piece
+_NO_RECORD = _Record(-1, RECORD_EXTRA, 0, -1, 0.0)
+
+
 class UdpSession:
     """One end of one udp:// link. `local_id` is this side's session id (random, non-zero)."""
 
@@ -207,6 +268,7 @@ class UdpSession:
         fragment: bool = True,
         static: bytes | None = None,
         caps: int = 0,
+        pieces: bool = True,
     ) -> None:
         if payload < DATA_OVERHEAD + ACK.size + SEG.size + FRAME.size + 64:
             raise ValueError(f"UDP payload of {payload} bytes is too small for a link")
@@ -263,11 +325,19 @@ class UdpSession:
         self._frames_seen = False  # datagrams wait for the first reliable frame (the HELLO)
         # unreliable datagrams, packed into packets at the next flush: whole frames (bytes), and
         # frames too big for a packet as [id, frame view, offset of the next piece]
-        self._dgrams: deque[bytes | list[Any]] = deque()
+        self._dgrams: deque[bytes | list[Any] | tuple[bytes]] = deque()
         self._dgram_bytes = 0
         self._dgram_id = 0
         # reassembly of fragmented datagrams: id -> _Reassembly, oldest first (insertion order)
         self._frags: dict[int, _Reassembly] = {}
+        # KIND_PIECE records being put together: (epoch << 64 | counter) -> _Record, oldest first;
+        # the record receive_batch fills in order (a piece at its `end` is taken inline)
+        self._records: dict[int, _Record] = {}
+        self._filling = _NO_RECORD
+        # both ends offered CAP_PIECES (set by the handshake): big datagrams go as pieced records,
+        # and only those are taken from the peer (its DFRAG chunks are refused, and the other way)
+        self.pieces = False
+        self.offer_pieces = pieces  # ours: offered in the handshake (False: as a node from before it)
         self._frag_bytes = 0  # bytes held (pieces plus PIECE_COST each)
         self._expire_at = INF  # no earlier than this is an entry due to expire (may be early, never late)
         self.reassembly = max(1, reassembly)
@@ -319,8 +389,15 @@ class UdpSession:
         if not self.initiator:
             return
         assert self._hs is not None
-        msg = self._hs.write_message(aead_offer(self.caps).ljust(INIT_PADDING, b"\0"))
+        msg = self._hs.write_message(aead_offer(self._offered()).ljust(INIT_PADDING, b"\0"))
         self._send_hs(HS.pack(KIND_INIT, MAGIC, VERSION, self.local_id, 0) + msg, now)
+
+    def _offered(self) -> int:
+        """The capability bits this end offers: the AEAD's (self.caps), CAP_PIECES if on."""
+        return self.caps | CAP_PIECES if self.offer_pieces else self.caps & ~CAP_PIECES
+
+    def _peer_caps(self, peer: int) -> None:
+        self.pieces = bool(self._offered() & peer & CAP_PIECES)
 
     def _send_hs(self, packet: bytes, now: float) -> None:
         self._hs_packet = packet
@@ -349,10 +426,13 @@ class UdpSession:
                 self.peer_init = bytes(packet)
                 self.peer_id = sender
                 try:
-                    self.suite, answer = answer_offer(self.caps, hs.read_message(body))
+                    offer = hs.read_message(body)
+                    self.suite, answer = answer_offer(self._offered(), offer)
                     msg2 = hs.write_message(answer)
                 except NoiseError:
                     raise LinkError("handshake", "handshake failed") from None
+                # (an initiator from before the offer sends zeros: no capabilities)
+                self._peer_caps(offer[1] if len(offer) >= 2 and offer[0] == OFFER_V1 else 0)
                 self._send_hs(HS.pack(KIND_RESP, MAGIC, VERSION, self.local_id, sender) + msg2, now)
             elif hs is not None and bytes(packet) == self.peer_init and self._hs_packet is not None:
                 self._out.append(self._hs_packet)  # msg2 was lost: answer the retransmitted msg1 again
@@ -368,7 +448,8 @@ class UdpSession:
                 answer = hs.read_message(body)
             except NoiseError:
                 raise LinkError("handshake", "handshake failed") from None
-            self.suite = answered_suite(self.caps, answer)
+            self.suite = answered_suite(self._offered(), answer)
+            self._peer_caps(answer[2] if answer else 0)  # (answered_suite checked its form)
             try:
                 msg3 = hs.write_message()
             except NoiseError:
@@ -435,15 +516,70 @@ class UdpSession:
         # None after anything else)
         expect: bytes | None = None
         x_entry, x_fid, x_end, x_fn, x_plen, x_wire, x_cost = _NOTHING_FORETOLD
-        bad = off = 0
+        bad = off = pieces = opened = 0
+        lid = self.local_id
         while off < n:
             end = off + step
             if end > n:
                 end = n
-            if end - off < DATA_OVERHEAD:
+            if end - off <= PIECE_SIZE:
                 break
-            kind, rid, length, epoch, counter = _unpack_head(buf, off)
-            if rid != self.local_id or kind != KIND_DATA:
+            kind, rid, length, epoch, counter, poff = _unpack_piece(buf, off)
+            if rid != lid:
+                break
+            if kind == KIND_PIECE:
+                # a piece of a sealed record (TUN super-packets: nearly every packet of a bulk
+                # transfer). The next piece, in order, of the record being filled goes in place
+                # here; anything else takes _piece. Nothing is authentic until the record opens.
+                pieces += 1
+                rec = self._filling
+                if counter == rec.counter and poff == rec.end and length == rec.length and epoch == rec.epoch:
+                    room = step - PIECE_SIZE
+                    k = (n - off) // step  # full-size packets from this one on (a GRO read: all but the last)
+                    if k >= RUN_MIN and room > 0:
+                        left = (rec.total - poff) // room
+                        if k > left:
+                            k = left
+                        if k >= RUN_MIN:
+                            # a run of k pieces in one struct call: each one's first 18 head bytes,
+                            # offset and bytes; taken if every head is this one's (checked above)
+                            # and the offsets follow on, else packet by packet below
+                            vals = _run(step, k).unpack_from(buf, off)
+                            stop = poff + k * room
+                            if vals[0::3] == (vals[0],) * k and vals[1::3] == tuple(range(poff, stop, room)):
+                                rec.buf[poff:stop] = b"".join(vals[2::3])
+                                rec.end = stop
+                                rec.count += k
+                                pieces += k - 1
+                                off += k * step
+                                if stop == rec.total:
+                                    opened += self._open_record(rec, now)
+                                    decrypt, nonce, window, recv_epoch = self._rx_key
+                                continue
+                    last = poff + end - off - PIECE_SIZE
+                    if last < rec.total:
+                        rec.buf[poff:last] = buf[off + PIECE_SIZE : end]
+                        rec.end = last
+                        rec.count += 1
+                        off = end
+                        continue
+                    # the record's last piece (poff is inside the record: it is not whole yet);
+                    # any bytes after the record's end are the sender's padding
+                    last = rec.total
+                    rec.buf[poff:last] = buf[off + PIECE_SIZE : off + PIECE_SIZE + last - poff]
+                    rec.end = last
+                    rec.count += 1
+                    off = end
+                    opened += self._open_record(rec, now)
+                    decrypt, nonce, window, recv_epoch = self._rx_key
+                    continue
+                opened += self._piece(buf, off, end, length, epoch, counter, poff, now)
+                decrypt, nonce, window, recv_epoch = self._rx_key
+                frames_seen = self._frames_seen
+                live = now < self._expire_at
+                off = end
+                continue
+            if kind != KIND_DATA or end - off < DATA_OVERHEAD:
                 break
             if length != end - off - LENGTH_FROM:
                 self.malformed += 1
@@ -548,8 +684,9 @@ class UdpSession:
                 pos = ACK.size
             self._chunks(plain, pos, now)
             live = now < self._expire_at
-        # every packet up to `off` was one of ours: those not counted bad were authentic
-        good = (off + step - 1) // step - bad if off else 0
+        # every packet up to `off` was one of ours: the data packets not counted bad were
+        # authentic, and the pieces of the records that opened
+        good = (off + step - 1) // step - bad - pieces + opened if off else 0
         if good and not self.confirmed:
             self.confirmed = True  # the responder's first sealed packet: the handshake is done
             self._hs_at = None
@@ -557,11 +694,103 @@ class UdpSession:
         self.packets_in += good
         return good, off
 
+    def _piece(self, buf: memoryview, off: int, end: int, length: int, epoch: int, counter: int, poff: int,
+               now: float) -> int:
+        """A KIND_PIECE packet (buf[off:end]) receive_batch did not take inline: checked, put in
+        its record (made if new, within the table's bounds); returns the pieces authentic if it
+        completed the record (0 if not yet, or if it did not open)."""
+        recv = self.recv
+        assert recv is not None
+        if not self.pieces or not self._frames_seen:
+            # a peer that did not offer CAP_PIECES sends none; before the HELLO the link is not up
+            self.unexpected += 1
+            return 0
+        n = end - off - PIECE_SIZE
+        total = length - RECORD_EXTRA
+        if (total <= TAG or total > PIECED_MAX or poff >= total
+                or total + PIECE_COST > self.reassembly_bytes):
+            self.frag_malformed += 1
+            return 0
+        if poff + n > total:
+            n = total - poff  # the last piece: its padding is not the record's
+        if now >= self._expire_at:
+            self._expire(now)
+        records = self._records
+        key = epoch << 64 | counter
+        rec = records.get(key)
+        if rec is None:
+            if epoch == recv.epoch and not recv.window.check(counter):
+                self.replayed += 1  # a piece of a record opened already (or older than the window)
+                return 0
+            while records and (len(records) >= self.reassembly
+                               or self._frag_bytes + total + PIECE_COST > self.reassembly_bytes):
+                self._drop_record(next(iter(records)))
+                self.frag_evicted += 1
+            rec = records[key] = _Record(key, length, epoch, counter, now)
+            self._frag_bytes += rec.cost()
+            if self._expire_at == INF:
+                self._expire_at = now + self.reassembly_timeout
+        elif rec.length != length:
+            self.frag_malformed += 1  # not this record's header: refused, the record stays
+            return 0
+        filled = rec.end
+        later = rec.later
+        if poff < filled or poff in later:
+            self.duplicates += 1
+            return 0
+        rec.buf[poff : poff + n] = buf[off + PIECE_SIZE : off + PIECE_SIZE + n]
+        rec.count += 1
+        if poff != filled:
+            later[poff] = n  # past a gap: receive_batch leaves the record to this path until it closes
+            if self._filling is rec:
+                self._filling = _NO_RECORD
+            return 0
+        filled += n
+        while later:
+            more = later.pop(filled, None)
+            if more is None:
+                break
+            filled += more
+        rec.end = filled
+        if filled == rec.total:
+            return self._open_record(rec, now)
+        if not later:
+            self._filling = rec
+        return 0
+
+    def _open_record(self, rec: _Record, now: float) -> int:
+        """A pieced record is whole: open it as a data packet's record; the pieces it had if
+        authentic (its plaintext then handled as a data packet's), else 0 (counted)."""
+        self._drop_record(rec.key)
+        recv = self.recv
+        assert recv is not None
+        plain = recv.open(RECORD.pack(rec.length, rec.epoch, rec.counter), rec.epoch, rec.counter,
+                          memoryview(rec.buf))
+        if recv.epoch != self._rx_key[3]:
+            self._rx_key = recv.current()  # the peer rekeyed: that record opened the next epoch
+        if plain is None:
+            if recv.window.highest >= rec.counter and rec.epoch == recv.epoch:
+                self.replayed += rec.count
+            else:
+                self.forged += rec.count
+            return 0
+        if len(plain) > DGRAM.size and plain[0] == CH_DGRAM and DGRAM.unpack_from(plain)[1] == len(plain) - 3:
+            self._deliver_datagram(memoryview(plain)[DGRAM.size :])  # (what the sender puts there)
+        else:
+            self._chunks(plain, 0, now)
+        return rec.count
+
+    def _drop_record(self, key: int) -> None:
+        rec = self._records.pop(key)
+        self._frag_bytes -= rec.cost()
+        if rec is self._filling:
+            self._filling = _NO_RECORD
+
     def _receive_other(self, packet: bytes | bytearray | memoryview, now: float) -> bool:
         """Everything but a well-formed data packet of an established session."""
         if not packet:
             self.malformed += 1
-        elif packet[0] != KIND_DATA:
+        elif packet[0] not in (KIND_DATA, KIND_PIECE):
             self._receive_handshake(packet, now)
         elif self.recv is None:
             self.unexpected += 1  # data before msg3 (msg3 lost): the sender retransmits
@@ -573,7 +802,7 @@ class UdpSession:
         """Whether this data packet, just accepted by `receive`, is the newest record seen (the
         roaming test: a replay or a straggler from the peer's old address is not)."""
         recv = self.recv
-        if recv is None or len(packet) < DATA_OVERHEAD or packet[0] != KIND_DATA:
+        if recv is None or len(packet) <= PIECE_SIZE or packet[0] not in (KIND_DATA, KIND_PIECE):
             return False
         _, epoch, counter = RECORD.unpack_from(packet, DATA.size)
         return bool(epoch == recv.epoch and recv.window.highest == counter)
@@ -599,7 +828,7 @@ class UdpSession:
                 pos += DFRAG.size
                 if end - pos < n:
                     break
-                if self._frames_seen:
+                if self._frames_seen and not self.pieces:
                     # a piece that is most of its packet is kept as a view of the packet; a small
                     # one is copied, so a held piece never pins much more than its own bytes
                     piece = view[pos : pos + n] if 2 * n >= end else bytes(view[pos : pos + n])
@@ -692,15 +921,24 @@ class UdpSession:
         entries are in creation order); note when the next one is due."""
         frags = self._frags
         limit = now - self.reassembly_timeout
+        due = INF
         while frags:
             first = next(iter(frags))
             created = frags[first].created
             if created > limit:
-                self._expire_at = created + self.reassembly_timeout
-                return
+                due = created + self.reassembly_timeout
+                break
             self._drop_entry(first)
             self.frag_timeout += 1
-        self._expire_at = INF
+        records = self._records
+        while records:
+            rec = next(iter(records.values()))
+            if rec.created > limit:
+                due = min(due, rec.created + self.reassembly_timeout)
+                break
+            self._drop_record(rec.key)
+            self.frag_timeout += 1
+        self._expire_at = due
 
     def _drop_entry(self, fid: int) -> None:
         entry = self._frags.pop(fid)
@@ -720,7 +958,7 @@ class UdpSession:
 
     def reassembly_held(self) -> tuple[int, int]:
         """(datagrams being reassembled, bytes charged for their pieces)."""
-        return len(self._frags), self._frag_bytes
+        return len(self._frags) + len(self._records), self._frag_bytes
 
     def _on_segment(self, wire: int, data: memoryview) -> None:
         self._ack_owed = True
@@ -883,6 +1121,15 @@ class UdpSession:
         n = len(head) + len(data)
         whole = FRAME.size + n + DGRAM.size + ACK.size <= self.plain_room  # one DGRAM chunk
         if ftype in UNRELIABLE and (whole or FRAME.size + n <= self.dfrag_max):
+            if not whole and self.pieces:
+                # one record of its own, cut into KIND_PIECE packets at the flush: its plaintext is
+                # what a data packet holding it whole would carry (a DGRAM chunk)
+                plain = b"".join((DGRAM.pack(CH_DGRAM, FRAME.size + n),
+                                  FRAME.pack(ftype, flags, hop, n, src, dst), head, data))
+                self._dgrams.append((plain,))
+                self.fragmented_out += 1
+                self._dgram_bytes += len(plain)
+                return
             frame = b"".join((FRAME.pack(ftype, flags, hop, n, src, dst), head, data))
             if whole:
                 self._dgrams.append(frame)
@@ -965,6 +1212,7 @@ class UdpSession:
             self.snd_nxt = snd_nxt
             if not unacked:
                 self._rto_at = None
+        pieced = 0  # KIND_PIECE packets in `out` (they carry no ACK)
         if dgrams:
             # the bulk path of big datagrams: every full packet of the head datagram's pieces
             # straight from its frame, locals only; its tail and the rest go through _packet
@@ -972,6 +1220,11 @@ class UdpSession:
             pack_ad = ACK_DFRAG.pack
             while dgrams:
                 d = dgrams[0]
+                if isinstance(d, tuple):
+                    dgrams.popleft()
+                    self._dgram_bytes -= len(d[0])
+                    pieced += self._seal_pieces(d[0], out)
+                    continue
                 if not isinstance(d, bytes) and len(d[1]) - d[2] > room:
                     fid, frame, off = d
                     total = len(frame)
@@ -986,11 +1239,32 @@ class UdpSession:
                     d[2] = off
                     self._dgram_bytes -= off - start
                 out.append(self._packet(prefix, [ack]))
-        if self._close or (len(out) == n_before and self._ack_owed):
+        if self._close or (len(out) - pieced == n_before and self._ack_owed):
             out.append(self._packet(prefix, [ack]))  # a pure ACK (or the CLOSE)
         self._ack_owed = False
         self.packets_out += len(out)
         return out
+
+    def _seal_pieces(self, plain: bytes, out: list[bytes]) -> int:
+        """Seal `plain` as one record and append it to `out` cut into KIND_PIECE packets of one
+        size: as few as the packet size allows, the record cut evenly between them and the last
+        padded with (fewer than that many) zeros. So the pieces of records of one size (a TCP
+        flow's super-packets through TUN) make one GSO run across records, up to GSO_MAX_BYTES
+        a send, and one GRO read at the receiver. Returns how many."""
+        send = self.send
+        assert send is not None
+        header, ct = send.seal(plain)
+        length, epoch, counter = RECORD.unpack(header)
+        total = len(ct)
+        count = -(-total // (self.payload - PIECE_SIZE))
+        size = -(-total // count)
+        pack, rid, view = PIECE.pack, self.peer_id, memoryview(ct)
+        out.extend([pack(KIND_PIECE, rid, length, epoch, counter, off) + view[off : off + size]
+                    for off in range(0, total, size)])
+        pad = count * size - total
+        if pad:
+            out[-1] += bytes(pad)
+        return count
 
     def _packet(self, prefix: bytes, parts: list[bytes | bytearray | memoryview]) -> bytes:
         """Seal one data packet: `parts` (ACK, maybe a segment) plus the queued datagrams
@@ -1001,6 +1275,8 @@ class UdpSession:
         dgrams = self._dgrams
         while dgrams:
             d = dgrams[0]
+            if isinstance(d, tuple):
+                break  # a pieced record: packets of its own
             if isinstance(d, bytes):
                 if used + DGRAM.size + len(d) > room:
                     break

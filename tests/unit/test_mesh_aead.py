@@ -27,6 +27,7 @@ from meshgate.mesh.noise import (
     local_caps,
 )
 from meshgate.mesh.udp_session import (
+    CAP_PIECES,
     HS,
     INIT_PADDING,
     KIND_INIT,
@@ -107,7 +108,7 @@ def test_new_initiator_with_aes_and_an_old_responder_use_chacha() -> None:
     a.start(0.0)
     (msg1,) = a.packets_to_send(0.0)
     a.receive(old_responder_msg2(msg1), 0.0)
-    assert a.established and a.suite is CHACHA20_POLY1305
+    assert a.established and a.suite is CHACHA20_POLY1305 and not a.pieces
 
 
 def test_old_initiator_and_a_new_responder_with_aes_use_chacha() -> None:
@@ -119,7 +120,7 @@ def test_old_initiator_and_a_new_responder_with_aes_use_chacha() -> None:
     b.receive(msg1, 0.0)
     (msg2,) = b.packets_to_send(0.0)
     assert old.read_message(msg2[HS.size:]) == b""
-    assert b.suite is CHACHA20_POLY1305
+    assert b.suite is CHACHA20_POLY1305 and not b.pieces
 
 
 def rewrite_offer(msg1: bytes, new_payload: bytes) -> bytes:
@@ -133,7 +134,8 @@ def rewrite_offer(msg1: bytes, new_payload: bytes) -> bytes:
     ss.mix_hash(e_pub)
     ss.mix_key(e_pub)  # psk mode: e also keys the payload
     h = ss.h
-    assert ss.cs.decrypt_with_ad(h, ct)[:2] == bytes((1, CAP_AES))  # the attacker reads the offer
+    # the attacker reads the offer (the AEAD's bit, and udp:// links' CAP_PIECES, docs/PROTOCOL.md 2.5)
+    assert ss.cs.decrypt_with_ad(h, ct)[:2] == bytes((1, CAP_AES | CAP_PIECES))
     ss.cs.n = 0
     return msg1[:HS.size] + e_pub + ss.cs.encrypt_with_ad(h, new_payload)
 
