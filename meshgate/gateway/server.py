@@ -103,7 +103,7 @@ _TIMER_SLACK = 0.005
 
 # Bytes read per receive on the relay (one buffer per server, see ReadBuffer). 2 MiB, not
 # asyncio's and uvloop's own 256 KiB: fewer and larger reads and writes carried 1 GiB through the
-# portal 1.3-1.7x faster than 256 KiB and 1.2x faster than 1 MiB on Linux 6.18 loopback
+# portal about 1.5x faster on Linux 6.18 loopback, and 1 MiB and 4 MiB less fast
 # (docs/OPERATIONS.md). A direction holds at most one read beyond limits.socks5_write_high_water.
 READ_SIZE = 2 * 1024 * 1024
 # A read this large that the destination took at once shows a bulk relay (limits.socks5_splice)
