@@ -67,8 +67,10 @@ async def test_a_literal_dial_that_times_out_answers_0x06_and_closes_its_socket(
             w.write(b"\x05\x01\x00")
             assert await r.readexactly(2) == b"\x05\x00"
             w.write(request(1, 1, b"\x7f\0\0\1", port))
-            await async_wait_until(lambda: any(isinstance(c._connect_task, DialStep) for c in p.clients),
-                                   what="dialing without a task")
+            await async_wait_until(
+                lambda: any(isinstance(c._connect_task, DialStep) for c in p.clients),
+                what="dialing without a task",
+            )
             rep, _, _, _ = await asyncio.wait_for(read_reply(r), 10)
             assert rep == 0x06
             w.close()
@@ -85,8 +87,10 @@ async def test_a_client_that_leaves_while_a_literal_dial_is_under_way_ends_it() 
             w.write(b"\x05\x01\x00")
             assert await r.readexactly(2) == b"\x05\x00"
             w.write(request(1, 1, b"\x7f\0\0\1", port))
-            await async_wait_until(lambda: any(isinstance(c._connect_task, DialStep) for c in p.clients),
-                                   what="dialing without a task")
+            await async_wait_until(
+                lambda: any(isinstance(c._connect_task, DialStep) for c in p.clients),
+                what="dialing without a task",
+            )
             (client,) = p.clients
             step = client._connect_task
             assert isinstance(step, DialStep)
