@@ -297,6 +297,9 @@ class LimitsConfig:
     socks5_udp_max_targets: int = 256
     mesh_udp_max_associations: int = 4096
     socks5_write_high_water: int = 1 << 20
+    # a bulk relay between two TCP sockets moves to splice(2) (gateway/splice_relay.py): off, the
+    # Python relay's 2 MiB reads moved more on Linux 6.18 loopback (docs/OPERATIONS.md)
+    socks5_splice: bool = False
     stream_window: int = 1048576  # 1 MiB: 256 KiB stalled 4-process pipelines on 2 cores (bench/portal.py)
     max_streams_per_peer: int = 4096
     e2e_sessions: int = 1024  # end-to-end sessions (node pairs) held; the least recently used goes

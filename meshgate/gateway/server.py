@@ -13,10 +13,11 @@ The upstream is reached only through the asyncio Transport/Protocol
 interface, so a mesh stream that behaves like a transport drops in through
 the dialer.
 
-A relay between two TCP sockets that shows bulk (a read filled the whole read
-buffer) with nothing queued on either side moves to `SpliceRelay`
-(gateway/splice_relay.py): from then on the kernel moves the bytes both ways
-(splice(2) through a pipe), and they no longer pass through Python.
+With `limits.socks5_splice` on, a relay between two TCP sockets that shows bulk (a read of
+BULK_READ bytes or more) with nothing queued on either side moves to `SpliceRelay`
+(gateway/splice_relay.py): from then on the kernel moves the bytes both ways (splice(2)
+through a pipe), and they no longer pass through Python. It is off by default: on Linux 6.18
+loopback the Python relay's 2 MiB reads and writes moved more, for about the same CPU.
 
 With `socks5.workers` > 1 (gateway/workers.py) the same server runs in worker
 processes too: there a connection whose destination does not leave from this
@@ -32,20 +33,17 @@ import contextlib
 import logging
 import socket
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from meshgate.buffers import BufferPool
 from meshgate.config import Config, LimitsConfig, User
-from meshgate.egress.dialer import DialError
+from meshgate.egress.dialer import Dialer, DialError
 from meshgate.gateway import socks5
 from meshgate.gateway.splice_relay import PIPE_SIZE, SpliceRelay
 from meshgate.gateway.udp import UdpAssociation
 from meshgate.logs import RateLimitedLog
 from meshgate.metrics import REGISTRY, LocalCounter
 from meshgate.netfmt import host_port
-
-if TYPE_CHECKING:
-    from meshgate.egress.dialer import Dialer
 
 log = logging.getLogger("meshgate.gateway")
 rlog = RateLimitedLog(log)
@@ -103,8 +101,13 @@ _BYTES_FLUSH = 1 << 20
 # no second wake-up for what is left when it fires.
 _TIMER_SLACK = 0.005
 
-# Bytes read per receive on the relay. asyncio's and uvloop's own read size.
-READ_SIZE = 256 * 1024
+# Bytes read per receive on the relay (one buffer per server, see ReadBuffer). 2 MiB, not
+# asyncio's and uvloop's own 256 KiB: fewer and larger reads and writes carried 1 GiB through the
+# portal about 1.5x faster on Linux 6.18 loopback, and 1 MiB and 4 MiB less fast
+# (docs/OPERATIONS.md). A direction holds at most one read beyond limits.socks5_write_high_water.
+READ_SIZE = 2 * 1024 * 1024
+# A read this large that the destination took at once shows a bulk relay (limits.socks5_splice)
+BULK_READ = 256 * 1024
 
 
 class ReadBuffer:
@@ -149,6 +152,8 @@ def peer_text(peer: Any) -> str:
 class Socks5Server:
     """Owns the listener and every client; `close()` ends them all."""
 
+    loop: asyncio.AbstractEventLoop
+
     def __init__(self, config: Config, dialer: Dialer, pool: BufferPool) -> None:
         self.config = config
         self.dialer = dialer
@@ -163,7 +168,13 @@ class Socks5Server:
         self.set_limits(config.limits)
         self.server: asyncio.Server | None = None
         self.read_buffer = ReadBuffer()
+        # the loop its clients run on: the running one (a server is made on it), else start's
+        with contextlib.suppress(RuntimeError):
+            self.loop = asyncio.get_running_loop()
         self.hand_over: HandOverFn | None = None  # set in a worker process
+        # this host's own dialer, nothing layered on it: an address literal's dial awaits only the
+        # loop's create_connection, so it runs without a Task (DialStep) on a socket transport
+        self.plain_dialer = type(dialer) is Dialer
 
     def set_users(self, users: tuple[User, ...]) -> None:
         """The RFC 1929 users (also a reload's): connections accepted from now on check these;
@@ -181,7 +192,7 @@ class Socks5Server:
         )
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         self.server = await loop.create_server(self.make_client, host, port, backlog=1024,
                                                reuse_port=reuse_port or None)
         return self.server
@@ -194,7 +205,7 @@ class Socks5Server:
         reply and everything after it come from this process)."""
         client = ClientProtocol(self)
         client.resume = (request, trailing)
-        await asyncio.get_running_loop().connect_accepted_socket(lambda: client, sock)
+        await self.loop.connect_accepted_socket(lambda: client, sock)
 
     @property
     def sockname(self) -> tuple[str, int]:
@@ -211,6 +222,65 @@ class Socks5Server:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.server.wait_closed(), 5)
             self.server = None
+
+
+class DialStep:
+    """Runs a dial coroutine without a Task: for one that awaits nothing but futures and needs
+    no task of its own (no asyncio.timeout, no context variables), which is what the plain
+    Dialer's dial to an address literal is (loop.create_connection). A Task costs some 8 µs
+    on CPython 3.11 (its registration in a weak set, a loop turn before its first step and
+    the weak reference's callback when it goes), a connection's whole Python dial about as
+    much again. `done()` and `cancel()` as a Task's: a cancel throws CancelledError in where
+    the coroutine waits (through the future it waits on), and the coroutine's own handlers
+    answer the client."""
+
+    __slots__ = ("_cancel", "_coro", "_done", "_fut", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> None:
+        self._loop = loop
+        self._coro = coro
+        self._fut: asyncio.Future[Any] | None = None
+        self._cancel = False
+        self._done = False
+
+    def start(self) -> None:
+        self._step()
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> bool:
+        if self._done:
+            return False
+        fut = self._fut
+        if fut is None or not fut.cancel():  # between steps: thrown in at the next one
+            self._cancel = True
+        return True
+
+    def _wake(self, _fut: object = None) -> None:
+        self._fut = None
+        self._step()
+
+    def _step(self) -> None:
+        try:
+            if self._cancel:
+                self._cancel = False
+                got = self._coro.throw(asyncio.CancelledError())
+            else:
+                got = self._coro.send(None)
+        except (StopIteration, asyncio.CancelledError):
+            self._done = True
+            return
+        except Exception:
+            self._done = True
+            log.exception("dial failed unexpectedly")
+            return
+        if got is None:  # a bare yield: go on in the next loop turn
+            self._loop.call_soon(self._wake)
+            return
+        got._asyncio_future_blocking = False
+        self._fut = got
+        got.add_done_callback(self._wake)
 
 
 _HANDSHAKE, _CONNECTING, _RELAY, _UDP, _CLOSED = range(5)
@@ -237,7 +307,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
 
     def __init__(self, server: Socks5Server) -> None:
         self.server = server
-        self.loop = asyncio.get_running_loop()
+        self.loop = server.loop
         self.state = _HANDSHAKE
         self.transport: asyncio.Transport | None = None
         self.upstream: asyncio.Transport | None = None
@@ -254,7 +324,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self._client_eof = False
         self._upstream_eof = False
         self._held: list[bytes] = []  # destination data that arrived before our reply
-        self._connect_task: asyncio.Task[None] | None = None
+        self._connect_task: asyncio.Task[None] | DialStep | None = None
         self._bytes_in = LocalCounter(self.m_bytes_in, _BYTES_FLUSH)
         self._bytes_out = LocalCounter(self.m_bytes_out, _BYTES_FLUSH)
         # handed over by a worker: the request it read and the bytes the client sent behind it
@@ -357,7 +427,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
             up.write(rb.view[:nbytes])
             if up.get_write_buffer_size():
                 rb.renew()  # the transport may hold a view of it: never reuse
-            elif nbytes == rb.size:
+            elif nbytes >= BULK_READ:
                 self.maybe_splice()  # bulk, and all of it went out: the kernel can take over
             self._active = True
             self._bytes_in.add(nbytes)
@@ -416,9 +486,11 @@ class ClientProtocol(asyncio.BufferedProtocol):
         """Hand this relay to the kernel (SpliceRelay) if it is one between two TCP sockets,
         both directions still open, nothing queued in either transport (so no byte written
         before can be overtaken), and limits.socks5_write_high_water allows a pipe's worth
-        (PIPE_SIZE) in flight each way. Called after a read that filled the read buffer."""
+        (PIPE_SIZE) in flight each way. Called after a read of BULK_READ or more that drained."""
         if self._splice is not None or not self.splice_bulk or self.state != _RELAY:
             return
+        if not self.server.limits.socks5_splice:
+            return  # off unless configured: the Python relay moved more (limits.socks5_splice)
         if self.server.limits.socks5_write_high_water < PIPE_SIZE:
             return  # a pipe holds PIPE_SIZE per direction: more than the configured bound in flight
         client, up = self.transport, self.upstream
@@ -504,16 +576,22 @@ class ClientProtocol(asyncio.BufferedProtocol):
             # the dial's time limit is this connection's timer (the dialer's connect_timeout), not
             # a second one inside the dial (Dialer.connect): one timer per connection
             host = request.host  # the address as text, made once
-            self.start_dial(host, request.port, self._connect(request, host))
+            if self.server.plain_dialer and request.atyp != socks5.ATYP_DOMAIN:
+                # a socket transport for certain: straight to the buffered upstream, and no Task
+                self.start_dial(host, request.port, self._connect(request, host, BufferedUpstream),
+                                step=True)
+            else:
+                self.start_dial(host, request.port, self._connect(request, host))
         else:
             self._disarm()  # opening the UDP association is not timed; its idle checks are
             self._connect_task = self.loop.create_task(self._associate(request))
 
-    async def _connect(self, request: socks5.Request, host: str) -> None:
+    async def _connect(self, request: socks5.Request, host: str,
+                       upstream: type[UpstreamProtocol | BufferedUpstream] | None = None) -> None:
         port = request.port
-
+        kind = upstream or UpstreamProtocol
         try:
-            transport, _, bound = await self.server.dialer.dial(host, port, lambda: UpstreamProtocol(self))
+            transport, _, bound = await self.server.dialer.dial(host, port, lambda: kind(self))
         except HandOver:
             if self.state == _CONNECTING:
                 self._hand_over(request)
@@ -544,13 +622,19 @@ class ClientProtocol(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.pause_reading()
 
-    def start_dial(self, host: str, port: int, dial: Coroutine[Any, Any, None]) -> None:
+    def start_dial(self, host: str, port: int, dial: Coroutine[Any, Any, None], step: bool = False) -> None:
         """Run `dial` (a coroutine that calls dialer.dial for host:port and answers the client)
         within the dialer's connect_timeout, kept by this connection's timer (`_arm`): one timer
-        per connection, not a second one inside the dial as Dialer.connect would make."""
+        per connection, not a second one inside the dial as Dialer.connect would make. `step`:
+        `dial` awaits nothing but futures and needs no Task (DialStep runs it)."""
         self._dialing = (host, port)
         self._arm(self.server.dialer.connect_timeout)
-        self._connect_task = self.loop.create_task(dial)
+        if step:
+            run = DialStep(self.loop, dial)
+            self._connect_task = run
+            run.start()  # may finish at once (and clear _connect_task)
+        else:
+            self._connect_task = self.loop.create_task(dial)
 
     def dial_failed(self, e: DialError) -> None:
         """The dial failed or timed out: the reply code for it, then close."""
@@ -796,10 +880,14 @@ class UpstreamProtocol(_UpstreamEvents, asyncio.Protocol):
 
 
 class BufferedUpstream(_UpstreamEvents, asyncio.BufferedProtocol):
-    """The destination side on a socket transport: reads into the shared buffer."""
+    """The destination side on a socket transport: reads into the shared buffer. Swapped in by
+    UpstreamProtocol, or made by the dial itself when the transport is a socket's for certain."""
 
     def __init__(self, client: ClientProtocol) -> None:
         self.client = client
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.client.upstream_made(transport)  # type: ignore[arg-type]
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.client.server.read_buffer.view
@@ -814,7 +902,7 @@ class BufferedUpstream(_UpstreamEvents, asyncio.BufferedProtocol):
             t.write(rb.view[:nbytes])
             if t.get_write_buffer_size():
                 rb.renew()  # the transport may hold a view of it: never reuse
-            elif nbytes == rb.size:
+            elif nbytes >= BULK_READ:
                 client.maybe_splice()
             client._active = True
             client._bytes_out.add(nbytes)

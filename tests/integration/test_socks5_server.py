@@ -19,7 +19,7 @@ from python_socks import ProxyError
 from python_socks.async_.asyncio import Proxy
 
 from meshgate.config import AdminConfig, Config, HostPort, LimitsConfig, NodeConfig, Socks5Config, User
-from meshgate.gateway.server import ClientProtocol
+from meshgate.gateway.server import READ_SIZE, ClientProtocol
 from meshgate.gateway.service import Socks5Service
 from meshgate.metrics import REGISTRY
 from meshgate.node import Node
@@ -473,14 +473,14 @@ async def test_backpressure_bounds_portal_buffers_both_ways() -> None:
         # Target -> client: the client reads nothing; the portal stops reading the target.
         await async_wait_until(lambda: not up.is_reading(), what="portal pauses reading the target")
         buffered = client.transport.get_write_buffer_size()
-        assert 0 < buffered <= hw + 256 * 1024  # one read past the mark at most
+        assert 0 < buffered <= hw + READ_SIZE  # one read past the mark at most
         assert not sent.done()  # the target is blocked: memory is bounded, not queued
         # Client -> target: the target reads nothing; the portal stops reading the client.
         w.transport.set_write_buffer_limits(high=1 << 30)  # let the test client queue freely
         w.write(bytes(8 * 1024 * 1024))
         ct = client.transport
         await async_wait_until(lambda: not ct.is_reading(), what="portal pauses reading the client")
-        assert up.get_write_buffer_size() <= hw + 256 * 1024
+        assert up.get_write_buffer_size() <= hw + READ_SIZE
         # Drain both ways: everything arrives, nothing lost.
         received = 0
         while received < total:

@@ -1,7 +1,8 @@
-"""The kernel relay (gateway/splice_relay.py): a bulk relay between two TCP sockets moves to
-splice(2) and keeps every rule of the Python relay: all bytes in order both ways, half-close
-passed on, the sender held back when the receiver stops reading (bounded by the pipe), the
-byte counters, and closing. Real sockets on loopback, the portal of a node in this process."""
+"""The kernel relay (gateway/splice_relay.py): with limits.socks5_splice on, a bulk relay between
+two TCP sockets moves to splice(2) and keeps every rule of the Python relay: all bytes in order
+both ways, half-close passed on, the sender held back when the receiver stops reading (bounded
+by the pipe), the byte counters, and closing. Off (the default), bulk stays in Python. Real
+sockets on loopback, the portal of a node in this process."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ async def test_bulk_both_ways_is_spliced_whole_and_in_order() -> None:
     port = srv.sockets[0].getsockname()[1]
     before = spliced()
     bytes_in = REGISTRY.value("meshgate_socks5_bytes_total", "in")
-    async with portal() as p:
+    async with portal(socks5_splice=True) as p:
         r, w, (rep, *_) = await raw_socks(p.port, request(1, 1, b"\x7f\0\0\1", port))
         assert rep == 0
         w.write(up_data)
@@ -66,7 +67,7 @@ async def test_a_receiver_that_stops_reading_holds_the_sender_back() -> None:
 
     srv = await asyncio.start_server(handle, "127.0.0.1", 0)  # its reader pauses at 128 KiB
     port = srv.sockets[0].getsockname()[1]
-    async with portal() as p:
+    async with portal(socks5_splice=True) as p:
         _r, w, (rep, *_) = await raw_socks(p.port, request(1, 1, b"\x7f\0\0\1", port))
         assert rep == 0
         (client,) = p.clients
@@ -100,7 +101,7 @@ async def test_small_exchanges_stay_in_python() -> None:
     srv = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
     before = spliced()
-    async with portal() as p:
+    async with portal(socks5_splice=True) as p:
         r, w, (rep, *_) = await raw_socks(p.port, request(1, 1, b"\x7f\0\0\1", port))
         assert rep == 0
         w.write(b"x" * 100)
@@ -124,10 +125,41 @@ async def test_a_write_high_water_below_a_pipe_keeps_the_python_relay() -> None:
     srv = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
     before = spliced()
-    async with portal(socks5_write_high_water=PIPE_SIZE // 2) as p:
+    async with portal(socks5_splice=True, socks5_write_high_water=PIPE_SIZE // 2) as p:
         r, w, (rep, *_) = await raw_socks(p.port, request(1, 1, b"\x7f\0\0\1", port))
         assert rep == 0
         assert await asyncio.wait_for(r.read(-1), 30) == data
         w.close()
     srv.close()
+    assert spliced() == before
+
+
+async def test_bulk_stays_in_python_by_default() -> None:
+    """limits.socks5_splice off (the default): 32 MiB down and up, reads that fill the read
+    buffer, and the relay is never handed to the kernel; every byte arrives, in order."""
+    up_data, down_data = os.urandom(32 * MIB), os.urandom(32 * MIB)
+    got_up: list[bytes] = []
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(down_data)
+        got_up.append(await r.read(-1))
+        await w.drain()
+        w.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    before = spliced()
+    async with portal() as p:
+        assert p.svc.server is not None and not p.svc.server.limits.socks5_splice
+        r, w, (rep, *_) = await raw_socks(p.port, request(1, 1, b"\x7f\0\0\1", port))
+        assert rep == 0
+        w.write(up_data)
+        await w.drain()
+        w.write_eof()
+        down = await asyncio.wait_for(r.read(-1), 30)
+        w.close()
+        await async_wait_until(lambda: not p.clients, what="the relay closed")
+    srv.close()
+    assert hashlib.sha256(down).digest() == hashlib.sha256(down_data).digest()
+    assert hashlib.sha256(got_up[0]).digest() == hashlib.sha256(up_data).digest()
     assert spliced() == before
