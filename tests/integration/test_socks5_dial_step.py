@@ -12,6 +12,7 @@ import os
 import socket
 import struct
 from collections.abc import Iterator
+from typing import Any
 
 from meshgate.gateway.server import DialStep
 from tests.helpers import async_wait_until
@@ -44,6 +45,20 @@ def full_listener() -> Iterator[int]:
         lsock.close()
 
 
+async def dial_without_a_task(p: Any, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client that asks the portal `p` for 127.0.0.1:`port`, once the dial is under way as a
+    DialStep (not a Task)."""
+    r, w = await asyncio.open_connection("127.0.0.1", p.port)
+    w.write(b"\x05\x01\x00")
+    assert await r.readexactly(2) == b"\x05\x00"
+    w.write(request(1, 1, b"\x7f\0\0\1", port))
+    await async_wait_until(
+        lambda: any(isinstance(c._connect_task, DialStep) for c in p.clients),
+        what="dialing without a task",
+    )
+    return r, w
+
+
 async def test_a_literal_dial_runs_without_a_task_and_relays() -> None:
     async with portal() as p, echo_server() as (eport, _):
         r, w = await asyncio.open_connection("127.0.0.1", p.port)
@@ -63,14 +78,7 @@ async def test_a_literal_dial_that_times_out_answers_0x06_and_closes_its_socket(
     with full_listener() as port:
         async with portal(socks5_connect_timeout=0.3) as p:
             before = open_fds()
-            r, w = await asyncio.open_connection("127.0.0.1", p.port)
-            w.write(b"\x05\x01\x00")
-            assert await r.readexactly(2) == b"\x05\x00"
-            w.write(request(1, 1, b"\x7f\0\0\1", port))
-            await async_wait_until(
-                lambda: any(isinstance(c._connect_task, DialStep) for c in p.clients),
-                what="dialing without a task",
-            )
+            r, w = await dial_without_a_task(p, port)
             rep, _, _, _ = await asyncio.wait_for(read_reply(r), 10)
             assert rep == 0x06
             w.close()
@@ -83,14 +91,7 @@ async def test_a_client_that_leaves_while_a_literal_dial_is_under_way_ends_it() 
     with full_listener() as port:
         async with portal(socks5_connect_timeout=30) as p:
             before = open_fds()
-            r, w = await asyncio.open_connection("127.0.0.1", p.port)
-            w.write(b"\x05\x01\x00")
-            assert await r.readexactly(2) == b"\x05\x00"
-            w.write(request(1, 1, b"\x7f\0\0\1", port))
-            await async_wait_until(
-                lambda: any(isinstance(c._connect_task, DialStep) for c in p.clients),
-                what="dialing without a task",
-            )
+            _r, w = await dial_without_a_task(p, port)
             (client,) = p.clients
             step = client._connect_task
             assert isinstance(step, DialStep)

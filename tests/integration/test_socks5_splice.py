@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from typing import Any
 
 from meshgate.gateway.server import READ_SIZE
 from meshgate.gateway.splice_relay import PIPE_SIZE
@@ -21,6 +22,20 @@ MIB = 1 << 20
 
 def spliced() -> float:
     return REGISTRY.value("meshgate_socks5_spliced_total")
+
+
+async def relay_both_ways(p: Any, port: int, up_data: bytes) -> bytes:
+    """Through the portal `p` to 127.0.0.1:`port`: `up_data` up, then a half-close (the reply
+    direction goes on); returns what came down, once the relay closed."""
+    r, w, (rep, *_) = await raw_socks(p.port, request(1, 1, b"\x7f\0\0\1", port))
+    assert rep == 0
+    w.write(up_data)
+    await w.drain()
+    w.write_eof()
+    down = await asyncio.wait_for(r.read(-1), 30)
+    w.close()
+    await async_wait_until(lambda: not p.clients, what="the relay closed")
+    return down
 
 
 async def test_bulk_both_ways_is_spliced_whole_and_in_order() -> None:
@@ -39,14 +54,7 @@ async def test_bulk_both_ways_is_spliced_whole_and_in_order() -> None:
     before = spliced()
     bytes_in = REGISTRY.value("meshgate_socks5_bytes_total", "in")
     async with portal(socks5_splice=True) as p:
-        r, w, (rep, *_) = await raw_socks(p.port, request(1, 1, b"\x7f\0\0\1", port))
-        assert rep == 0
-        w.write(up_data)
-        await w.drain()
-        w.write_eof()  # half-close: the reply direction goes on
-        down = await asyncio.wait_for(r.read(-1), 30)
-        w.close()
-        await async_wait_until(lambda: not p.clients, what="the relay closed")
+        down = await relay_both_ways(p, port, up_data)
     srv.close()
     assert hashlib.sha256(down).digest() == hashlib.sha256(down_data).digest()
     assert hashlib.sha256(got_up[0]).digest() == hashlib.sha256(up_data).digest()
@@ -151,14 +159,7 @@ async def test_bulk_stays_in_python_by_default() -> None:
     before = spliced()
     async with portal() as p:
         assert p.svc.server is not None and not p.svc.server.limits.socks5_splice
-        r, w, (rep, *_) = await raw_socks(p.port, request(1, 1, b"\x7f\0\0\1", port))
-        assert rep == 0
-        w.write(up_data)
-        await w.drain()
-        w.write_eof()
-        down = await asyncio.wait_for(r.read(-1), 30)
-        w.close()
-        await async_wait_until(lambda: not p.clients, what="the relay closed")
+        down = await relay_both_ways(p, port, up_data)
     srv.close()
     assert hashlib.sha256(down).digest() == hashlib.sha256(down_data).digest()
     assert hashlib.sha256(got_up[0]).digest() == hashlib.sha256(up_data).digest()
