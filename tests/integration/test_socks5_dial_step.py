@@ -14,7 +14,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
-from meshgate.gateway.server import DialStep
+from meshgate.gateway.server import DIAL_STEP_ERRORS, DialStep
 from tests.helpers import async_wait_until
 from tests.integration.test_socks5_server import echo_server, portal, read_reply, request
 
@@ -102,3 +102,23 @@ async def test_a_client_that_leaves_while_a_literal_dial_is_under_way_ends_it() 
             await async_wait_until(lambda: step.done(), what="the dial ended")
             await async_wait_until(lambda: open_fds() <= before, what="the dial's socket closed")
             assert not p.clients
+
+
+async def test_a_dial_step_that_raises_past_its_handlers_is_counted_and_ends() -> None:
+    """What a Task's exception handler would report: counted and logged (rate-limited), and the
+    step is done, so the connection's close does not cancel it again."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    async def dial() -> None:
+        await fut
+        raise RuntimeError("a bug after the dial")
+
+    before = DIAL_STEP_ERRORS.value
+    step = DialStep(loop, dial())
+    step.start()
+    assert not step.done()
+    fut.set_result(None)
+    await async_wait_until(step.done, what="the step ended")
+    assert DIAL_STEP_ERRORS.value == before + 1
+    assert not step.cancel()
