@@ -37,15 +37,16 @@ class ListenerStats:
         label theirs with the bound address, so both count under one name."""
         if name != self.name:
             self.name = name
-            self.queries = _queries.labels(name)
-            self._responses.clear()
-            self._drops.clear()
-            self._errors.clear()
+            self._attach()
 
     def forget(self) -> None:
         """The listener stopped: its series leave the families (see _Family.forget)."""
         for family in (_queries, _responses, _drops, _errors):
             family.forget(self.name)
+        self._attach()
+
+    def _attach(self) -> None:
+        """Take this name's counters from the families afresh (a new name, or forgotten ones)."""
         self.queries = _queries.labels(self.name)
         self._responses.clear()
         self._drops.clear()

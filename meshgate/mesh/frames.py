@@ -206,11 +206,17 @@ def aead_offer(caps: int) -> bytes:
     return bytes((OFFER_V1, caps & 0xFF))
 
 
+def offered_caps(offer: bytes) -> int | None:
+    """The initiator's capability bits in msg1's payload; None: no offer (a peer from before it)."""
+    return offer[1] if len(offer) >= 2 and offer[0] == OFFER_V1 else None
+
+
 def answer_offer(caps: int, offer: bytes) -> tuple[Suite, bytes]:
     """Responder: (the suite, msg2's payload) for msg1's payload. No offer (an initiator from
     before it): ChaCha20-Poly1305 and an empty payload, exactly what such a peer got before."""
-    if len(offer) >= 2 and offer[0] == OFFER_V1:
-        suite = choose_suite(caps, offer[1])
+    theirs = offered_caps(offer)
+    if theirs is not None:
+        suite = choose_suite(caps, theirs)
         return suite, bytes((OFFER_V1, suite.code, caps & 0xFF))
     return CHACHA20_POLY1305, b""
 

@@ -61,7 +61,6 @@ from meshgate.mesh.frames import (
     FRAME,
     MAGIC,
     NOISE_PATTERN,
-    OFFER_V1,
     RECORD,
     RECORD_EXTRA,
     REPLAY_WINDOW,
@@ -77,6 +76,7 @@ from meshgate.mesh.frames import (
     answer_offer,
     answered_suite,
     iter_frames,
+    offered_caps,
     prologue,
 )
 from meshgate.mesh.noise import (
@@ -432,7 +432,7 @@ class UdpSession:
                 except NoiseError:
                     raise LinkError("handshake", "handshake failed") from None
                 # (an initiator from before the offer sends zeros: no capabilities)
-                self._peer_caps(offer[1] if len(offer) >= 2 and offer[0] == OFFER_V1 else 0)
+                self._peer_caps(offered_caps(offer) or 0)
                 self._send_hs(HS.pack(KIND_RESP, MAGIC, VERSION, self.local_id, sender) + msg2, now)
             elif hs is not None and bytes(packet) == self.peer_init and self._hs_packet is not None:
                 self._out.append(self._hs_packet)  # msg2 was lost: answer the retransmitted msg1 again
